@@ -1,0 +1,146 @@
+"""Our dp-accounting paths against Opacus's accountants, calibration round trips, group privacy."""
+
+import math
+
+import pytest
+from opacus.accountants import PRVAccountant, RDPAccountant
+
+from trl_userdp.accountants import (
+    GroupPrivacyAccountant,
+    calibrate_noise_multiplier,
+    compute_delta,
+    compute_epsilon,
+    group_privacy,
+    item_level_target,
+    make_accountant,
+    poisson_gaussian_event,
+)
+from trl_userdp.accountants.analysis import INTEGER_RDP_ORDERS, RDP_ORDERS
+
+# (σ, q, T): the IMDb setting of AUP-RLHF (q = 50/2500, 5 epochs) and points around it.
+POINTS = [(1.0, 0.02, 250), (0.8, 0.01, 1000), (2.0, 0.05, 100), (1.5, 0.001, 5000), (0.7, 0.1, 50), (4.0, 0.02, 250)]
+DELTA = 1e-5
+
+
+def _opacus(cls, sigma, q, steps):
+    acc = cls()
+    acc.history = [(sigma, q, steps)]
+    return acc
+
+
+@pytest.mark.parametrize("sigma,q,steps", POINTS)
+def test_rdp_equals_opacus_rdp_on_integer_orders(sigma, q, steps):
+    ours = compute_epsilon(poisson_gaussian_event(sigma, q, steps), DELTA, accountant="rdp", orders=INTEGER_RDP_ORDERS)
+    theirs = _opacus(RDPAccountant, sigma, q, steps).get_epsilon(DELTA, alphas=list(INTEGER_RDP_ORDERS))
+    assert ours == pytest.approx(theirs, rel=1e-6)
+
+
+@pytest.mark.parametrize("sigma,q,steps", POINTS)
+def test_rdp_default_orders_agree_with_opacus_and_never_understate(sigma, q, steps):
+    ours = compute_epsilon(poisson_gaussian_event(sigma, q, steps), DELTA, accountant="rdp")
+    theirs = _opacus(RDPAccountant, sigma, q, steps).get_epsilon(DELTA, alphas=list(RDP_ORDERS))
+    assert ours >= theirs * (1 - 1e-12)
+    # dp-accounting's fractional orders are conservative (test_rdp_orders.py): up to ~0.2% here.
+    assert ours == pytest.approx(theirs, rel=5e-3)
+
+
+@pytest.mark.parametrize("sigma,q,steps", POINTS)
+def test_pld_within_two_percent_of_opacus_prv(sigma, q, steps):
+    ours = compute_epsilon(poisson_gaussian_event(sigma, q, steps), DELTA, accountant="pld")
+    # PRV's default eps_error is 0.01 absolute, 5% of the small ε here: ask it for 1e-3.
+    theirs = _opacus(PRVAccountant, sigma, q, steps).get_epsilon(DELTA, eps_error=1e-3)
+    assert ours == pytest.approx(theirs, rel=0.02)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("target", [1.0, 8.0])
+def test_calibration_round_trip(accountant, target):
+    make = lambda s: poisson_gaussian_event(s, 0.02, 250)  # noqa: E731
+    sigma = calibrate_noise_multiplier(make, target_epsilon=target, target_delta=DELTA, accountant=accountant)
+    eps = compute_epsilon(make(sigma), DELTA, accountant=accountant)
+    assert eps <= target
+    assert eps >= 0.99 * target  # the smallest σ that fits, not just any σ
+    assert compute_epsilon(make(0.98 * sigma), DELTA, accountant=accountant) > target
+
+
+def test_replace_one_is_looser_than_add_remove_but_at_most_double():
+    event = poisson_gaussian_event(1.0, 0.02, 250)
+    add_remove = compute_epsilon(event, DELTA, accountant="pld")
+    replace = compute_epsilon(event, DELTA, accountant="pld", relation="replace")
+    assert add_remove < replace <= 2 * add_remove
+
+
+def test_rdp_rejects_replace_one_for_subsampled_gaussian_with_a_hint():
+    with pytest.raises(ValueError, match="try accountant='pld'"):
+        compute_epsilon(poisson_gaussian_event(1.0, 0.02, 10), DELTA, accountant="rdp", relation="replace")
+
+
+def test_group_privacy_conversion_and_its_inverse():
+    eps0, delta0 = item_level_target(3.0, 1e-5, 10)
+    assert eps0 == pytest.approx(0.3)
+    assert group_privacy(eps0, delta0, 10) == pytest.approx((3.0, 1e-5))
+    assert group_privacy(0.5, 1e-6, 1) == (0.5, 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["rdp", "pld"])
+def test_group_privacy_accountant_matches_the_conversion_of_an_item_level_accountant(kind):
+    event = poisson_gaussian_event(5.0, 0.02, 250)
+    m = 10
+    eps = compute_epsilon(event, DELTA, accountant=kind, group_size=m)
+    # Independent check: item-level δ₀ at ε/m from a plain dp-accounting accountant.
+    item = make_accountant(kind).compose(event)
+    implied_delta = m * math.exp((m - 1) * eps / m) * item.get_delta(eps / m)
+    assert implied_delta <= DELTA * (1 + 1e-9)
+    slightly_less = 0.999 * eps
+    assert m * math.exp((m - 1) * slightly_less / m) * item.get_delta(slightly_less / m) > DELTA
+    # m = 1 is the item-level accountant itself
+    assert compute_epsilon(event, DELTA, accountant=kind, group_size=1) == pytest.approx(
+        compute_epsilon(event, DELTA, accountant=kind)
+    )
+
+
+def test_group_privacy_is_weaker_than_user_level_accounting_at_the_same_sigma():
+    event = poisson_gaussian_event(5.0, 0.02, 250)
+    assert compute_epsilon(event, DELTA, accountant="pld", group_size=10) > compute_epsilon(
+        event, DELTA, accountant="pld"
+    )
+
+
+def test_compute_delta_inverts_compute_epsilon():
+    event = poisson_gaussian_event(1.0, 0.02, 250)
+    eps = compute_epsilon(event, DELTA, accountant="pld")
+    assert compute_delta(event, eps, accountant="pld") == pytest.approx(DELTA, rel=0.05)
+
+
+def test_group_accountant_wraps_any_inner_accountant():
+    acc = GroupPrivacyAccountant(make_accountant("pld"), 4).compose(poisson_gaussian_event(3.0, 0.05, 100))
+    assert acc.get_delta(acc.get_epsilon(DELTA)) <= DELTA
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(target_epsilon=0.0, target_delta=1e-5), "target_epsilon"),
+        (dict(target_epsilon=-1.0, target_delta=1e-5), "target_epsilon"),
+        (dict(target_epsilon=float("nan"), target_delta=1e-5), "target_epsilon"),
+        (dict(target_epsilon=1.0, target_delta=0.0), "target_delta"),
+        (dict(target_epsilon=1.0, target_delta=1.0), "target_delta"),
+        (dict(target_epsilon=1.0, target_delta=1e-5, accountant="gdp"), "accountant"),
+    ],
+)
+def test_calibration_rejects_bad_budgets(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        calibrate_noise_multiplier(lambda s: poisson_gaussian_event(s, 0.02, 250), **kwargs)
+
+
+def test_calibration_says_when_the_budget_is_too_small():
+    with pytest.raises(ValueError, match="too small"):
+        calibrate_noise_multiplier(
+            lambda s: poisson_gaussian_event(s, 1.0, 10**6), target_epsilon=0.01, target_delta=1e-10, max_sigma=50
+        )
+
+
+@pytest.mark.parametrize("delta", [0.0, 1.0, -1e-5, 2.0])
+def test_compute_epsilon_rejects_bad_delta(delta):
+    with pytest.raises(ValueError, match="delta"):
+        compute_epsilon(poisson_gaussian_event(1.0, 0.02, 10), delta)

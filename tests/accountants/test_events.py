@@ -1,0 +1,116 @@
+"""Each mechanism's dp-accounting event against an independent computation."""
+
+import math
+
+import dp_accounting as dpa
+import numpy as np
+import pytest
+from dp_accounting import pld
+from scipy import stats
+
+from trl_userdp.accountants import (
+    aup_epsilon,
+    compute_delta,
+    compute_epsilon,
+    els_event,
+    poisson_gaussian_event,
+    randomized_response_event,
+    randomized_response_noise_parameter,
+    truncated_poisson_gaussian_event,
+)
+
+DELTA = 1e-5
+
+
+def _exact_rr_delta(epsilon: float, eps_label: float, m: int) -> float:
+    """δ(ε) of m binary randomized responses at ε' each, replace-one: the privacy loss is
+    (2k − m)ε' where k ~ Binomial(m, σ(ε')) labels were kept."""
+    keep = 1 / (1 + math.exp(-eps_label))
+    k = np.arange(m + 1)
+    loss = (2 * k - m) * eps_label
+    return float(np.sum(stats.binom.pmf(k, m, keep) * np.maximum(0.0, 1 - np.exp(epsilon - loss))))
+
+
+@pytest.mark.parametrize("eps,m", [(3.0, 10), (1.0, 5), (8.0, 20)])
+def test_user_level_rr_matches_exact_m_fold_composition(eps, m):
+    event = randomized_response_event(eps, m)
+    for target in (0.0, eps / 2, 0.9 * eps):
+        ours = compute_delta(event, target, accountant="pld", relation="replace")
+        assert ours == pytest.approx(_exact_rr_delta(target, eps / m, m), abs=2e-3)
+    # pure ε-DP for the user: no δ is needed at ε itself
+    assert compute_delta(event, eps, accountant="pld", relation="replace") == 0.0
+
+
+def test_dp_accounting_pld_drops_the_count_of_self_composed_rr():
+    """The reason randomized_response_event lists its m events: dp-accounting 0.6 would account one."""
+    rr = dpa.RandomizedResponseDpEvent(randomized_response_noise_parameter(0.3), 2)
+    self_composed = pld.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE).compose(dpa.SelfComposedDpEvent(rr, 10))
+    assert self_composed.get_epsilon(1e-12) == pytest.approx(0.3, abs=1e-3)  # one label's ε, not 3
+    assert compute_epsilon(randomized_response_event(3.0, 10), 1e-12, accountant="pld", relation="replace") > 2.9
+
+
+@pytest.mark.parametrize("eps,k", [(1.0, 2), (2.0, 4)])
+def test_rr_keep_probability(eps, k):
+    p = randomized_response_noise_parameter(eps, k)
+    keep = 1 - p + p / k
+    assert keep == pytest.approx(math.exp(eps) / (math.exp(eps) + k - 1))
+    if k == 2:
+        assert p / 2 == pytest.approx(1 - 1 / (1 + math.exp(-eps)))  # flip = 1 − σ(ε)
+
+
+def test_els_with_one_record_per_user_is_the_poisson_gaussian():
+    sigma, q, steps = 1.2, 0.02, 200
+    els = compute_epsilon(els_event(sigma, q, steps, 1), DELTA, accountant="pld", value_discretization_interval=1e-3)
+    plain = compute_epsilon(poisson_gaussian_event(sigma, q, steps), DELTA, accountant="pld", value_discretization_interval=1e-3)
+    assert els == pytest.approx(plain, rel=0.01)
+
+
+def test_els_is_tighter_than_group_privacy_and_grows_with_m():
+    sigma, q, steps = 3.0, 0.02, 250
+    opts = dict(accountant="pld", value_discretization_interval=1e-2)
+    els = [compute_epsilon(els_event(sigma, q, steps, m), DELTA, **opts) for m in (2, 5, 10)]
+    assert els[0] < els[1] < els[2]
+    group = compute_epsilon(poisson_gaussian_event(sigma, q, steps), DELTA, accountant="pld", group_size=10)
+    assert els[2] < group
+
+
+def test_truncation_at_n_users_is_plain_poisson_sampling():
+    n = 400
+    trunc = compute_epsilon(truncated_poisson_gaussian_event(1.0, 0.05, 100, n, n), DELTA, accountant="pld")
+    plain = compute_epsilon(poisson_gaussian_event(1.0, 0.05, 100), DELTA, accountant="pld")
+    assert trunc == pytest.approx(plain, rel=1e-3)
+
+
+def test_truncated_event_needs_pld():
+    with pytest.raises(ValueError, match="try accountant='pld'"):
+        compute_epsilon(truncated_poisson_gaussian_event(1.0, 0.05, 10, 100, 10), DELTA, accountant="rdp")
+
+
+def test_aup_composition_is_gaussian_half_plus_svt_half():
+    total, gauss, svt = aup_epsilon(
+        noise_multiplier=1.0, sample_rate=0.02, steps=250, n_users=2500, max_users_per_batch=80,
+        svt_epsilon=1.5, delta=DELTA,
+    )
+    independent = pld.PLDAccountant().compose(
+        dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(2500, 0.02, 80, 1.0), 250)
+    ).get_epsilon(DELTA)
+    assert gauss == pytest.approx(independent, rel=1e-9)
+    assert svt == 1.5
+    assert total == pytest.approx(gauss + 1.5)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: poisson_gaussian_event(-0.1, 0.02, 10),
+        lambda: poisson_gaussian_event(1.0, 0.0, 10),
+        lambda: poisson_gaussian_event(1.0, 1.5, 10),
+        lambda: els_event(1.0, 0.02, 10, 0),
+        lambda: randomized_response_event(0.0, 10),
+        lambda: randomized_response_event(-1.0, 10),
+        lambda: randomized_response_event(1.0, 0),
+    ],
+)
+def test_events_reject_bad_parameters(call):
+    with pytest.raises(ValueError):
+        call()

@@ -1,0 +1,48 @@
+import subprocess
+import sys
+
+import pytest
+
+from trl_userdp.cli import main
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "trl_userdp.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_account_prints_the_calibrated_sigmas(capsys):
+    from trl_userdp.accountants import compute_epsilon, poisson_gaussian_event
+
+    assert main(["account", "--n_users", "200", "--users_per_batch", "10", "--steps", "40",
+                 "--max_samples_per_user", "4", "--epsilons", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "n = 200 users, m = 4" in out and "T = 40 steps" in out
+    (row,) = [line for line in out.splitlines() if line.strip().startswith("2 |")]
+    cells = [c.split() for c in row.split("|")]
+    user_rdp, user_pld, _ = map(float, cells[1])
+    group, els = map(float, cells[2])
+    assert compute_epsilon(poisson_gaussian_event(user_rdp, 0.05, 40), 1e-5) == pytest.approx(2.0, abs=0.01)
+    assert user_pld < user_rdp  # PLD is tighter than RDP
+    assert group > user_pld and els > user_pld  # record-level baselines need more noise
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["account", "--epsilons", "0"], "epsilons must be a finite number > 0"),
+        (["account", "--delta", "1"], "delta must lie in (0, 1)"),
+        (["account", "--users_per_batch", "5000"], "exceeds the number of users"),
+        (["account", "--max_samples_per_user", "0"], "max_samples_per_user must be an integer >= 1"),
+        (["fly"], "unknown command 'fly'"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(args, needle, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_input_from_the_shell_has_no_traceback():
+    proc = _run("account", "--epsilons", "-3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "trl-userdp: error: epsilons must be a finite number > 0, got -3.0."

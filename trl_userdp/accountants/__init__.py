@@ -1,0 +1,44 @@
+"""Privacy accounting through dp-accounting (SPEC §4)."""
+
+from .accountant import DPAccountingAccountant, DPPldAccountant, DPRdpAccountant
+from .analysis import (
+    ACCOUNTANT_KINDS,
+    GroupPrivacyAccountant,
+    aup_epsilon,
+    calibrate_noise_multiplier,
+    compute_delta,
+    compute_epsilon,
+    group_privacy,
+    item_level_target,
+    make_accountant,
+)
+from .events import (
+    els_event,
+    poisson_gaussian_event,
+    randomized_response_event,
+    randomized_response_noise_parameter,
+    truncated_poisson_gaussian_event,
+)
+from .report import REPORT_FILENAME, PrivacyReport
+
+__all__ = [
+    "ACCOUNTANT_KINDS",
+    "DPAccountingAccountant",
+    "DPPldAccountant",
+    "DPRdpAccountant",
+    "GroupPrivacyAccountant",
+    "PrivacyReport",
+    "REPORT_FILENAME",
+    "aup_epsilon",
+    "calibrate_noise_multiplier",
+    "compute_delta",
+    "compute_epsilon",
+    "els_event",
+    "group_privacy",
+    "item_level_target",
+    "make_accountant",
+    "poisson_gaussian_event",
+    "randomized_response_event",
+    "randomized_response_noise_parameter",
+    "truncated_poisson_gaussian_event",
+]

@@ -1,0 +1,256 @@
+"""ε ↔ σ through dp-accounting: accountant construction, ε of an event, σ calibration,
+group-privacy conversion (SPEC §2 M2) and the AUP-RLHF composition (SPEC §2 M4).
+
+Accountant kinds: ``"rdp"`` (dp-accounting ``RdpAccountant`` on :data:`RDP_ORDERS`) and ``"pld"``
+(dp-accounting ``PLDAccountant``).
+Neighbouring relations: ``"add_or_remove"`` (one user added or removed; the Opacus and
+dp-accounting convention) and ``"replace"`` (one user's data replaced; the papers' definition,
+PLD only for subsampled Gaussians).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Optional, Sequence, Tuple
+
+import dp_accounting as dpa
+from dp_accounting import pld as dpa_pld
+from dp_accounting import rdp as dpa_rdp
+from opacus.accountants.rdp import RDPAccountant as _OpacusRDP
+
+from ..validators import check_delta, check_epsilon, check_max_samples_per_user
+from .events import poisson_gaussian_event, truncated_poisson_gaussian_event
+
+# dp-accounting logs a warning each time a fractional RDP order fails to converge at small σ; the
+# order is then excluded (ε can only grow), so the message is noise for users.
+logging.getLogger("absl").addFilter(lambda record: "failed to converge" not in record.getMessage())
+
+ACCOUNTANT_KINDS = ("rdp", "pld")
+NEIGHBORING_RELATIONS = {
+    "add_or_remove": dpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    "replace": dpa.NeighboringRelation.REPLACE_ONE,
+}
+#: RDP orders: Opacus's defaults (1.1 … 63) plus dp-accounting's large orders, without which ε
+#: cannot fall below about log(1/δ)/62 (small item-level ε for group privacy needs them). Pass the
+#: same list as ``alphas`` to Opacus's ``rdp`` accountant to compare. At integer orders both
+#: libraries agree to float precision; at fractional orders dp-accounting 0.6 is slightly
+#: conservative (its series drops the sign of negative binomial coefficients; see
+#: tests/accountants/test_rdp_orders.py), which can only over-state ε.
+RDP_ORDERS: Tuple[float, ...] = tuple(_OpacusRDP.DEFAULT_ALPHAS) + (128, 256, 512, 1024)
+#: Integer orders only: there dp-accounting's subsampled-Gaussian RDP is exact.
+INTEGER_RDP_ORDERS: Tuple[int, ...] = tuple(range(2, 65)) + (128, 256, 512, 1024)
+#: PLD discretisation (dp-accounting's default).
+PLD_DISCRETIZATION = 1e-4
+
+
+def check_accountant(kind: str) -> str:
+    if kind not in ACCOUNTANT_KINDS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANT_KINDS}, got {kind!r}.")
+    return kind
+
+
+def neighboring_relation(name: str) -> dpa.NeighboringRelation:
+    try:
+        return NEIGHBORING_RELATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"neighboring_relation must be one of {tuple(NEIGHBORING_RELATIONS)}, got {name!r}."
+        ) from None
+
+
+class GroupPrivacyAccountant(dpa.PrivacyAccountant):
+    """Wraps an item-level dp-accounting accountant and reports the user-level guarantee that
+    group privacy gives for groups of ``group_size`` records (SPEC §2 M2, Chua et al. 2024):
+    an item-level ``(ε₀, δ₀)`` guarantee implies ``(m·ε₀, m·e^{(m−1)ε₀}·δ₀)`` for a group of m.
+    """
+
+    def __init__(self, inner: dpa.PrivacyAccountant, group_size: int):
+        super().__init__(inner.neighboring_relation)
+        self._inner = inner
+        self._m = check_max_samples_per_user(group_size, "group_size")
+
+    def _maybe_compose(self, event, count, do_compose):
+        return self._inner._maybe_compose(event, count, do_compose)
+
+    def get_delta(self, target_epsilon: float) -> float:
+        m = self._m
+        eps0 = target_epsilon / m
+        delta0 = self._inner.get_delta(eps0)
+        if delta0 <= 0:
+            return 0.0
+        return math.exp(min(0.0, math.log(m) + (m - 1) * eps0 + math.log(delta0)))
+
+    def get_epsilon(self, target_delta: float) -> float:
+        """Smallest user-level ε (to 1e-6 relative) with ``get_delta(ε) ≤ δ``, by bisection."""
+        if self._m == 1:
+            return self._inner.get_epsilon(target_delta)
+        lo, hi = 0.0, max(1.0, self._m * self._inner.get_epsilon(target_delta / self._m))
+        while self.get_delta(hi) > target_delta:
+            lo, hi = hi, 2 * hi
+            if hi > 1e6:
+                return math.inf
+        if self.get_delta(lo) <= target_delta:
+            return lo
+        while hi - lo > 1e-6 * hi:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self.get_delta(mid) <= target_delta else (mid, hi)
+        return hi
+
+
+def make_accountant(
+    kind: str = "rdp",
+    relation: str = "add_or_remove",
+    group_size: Optional[int] = None,
+    orders: Optional[Sequence[float]] = None,
+    value_discretization_interval: float = PLD_DISCRETIZATION,
+) -> dpa.PrivacyAccountant:
+    """A fresh dp-accounting accountant; with ``group_size`` it reports group-privacy ε.
+    ``orders`` (RDP) defaults to :data:`RDP_ORDERS`; ``value_discretization_interval`` is PLD's
+    (coarser is faster and still an upper bound: dp-accounting rounds pessimistically)."""
+    check_accountant(kind)
+    rel = neighboring_relation(relation)
+    if kind == "rdp":
+        acc = dpa_rdp.RdpAccountant(orders=tuple(orders or RDP_ORDERS), neighboring_relation=rel)
+    else:
+        acc = dpa_pld.PLDAccountant(neighboring_relation=rel, value_discretization_interval=value_discretization_interval)
+    return acc if group_size is None else GroupPrivacyAccountant(acc, group_size)
+
+
+def _compose(event, kind, relation, group_size, **options) -> dpa.PrivacyAccountant:
+    acc = make_accountant(kind, relation, group_size, **options)
+    if not acc.supports(event):
+        hint = " (try accountant='pld')" if kind == "rdp" else ""
+        raise ValueError(
+            f"dp-accounting's {kind} accountant cannot account {type(event).__name__} under the "
+            f"{relation!r} relation{hint}: {acc._maybe_compose(event, 1, False).error_message}"
+        )
+    return acc.compose(event)
+
+
+def compute_epsilon(
+    event: dpa.DpEvent,
+    delta: float,
+    *,
+    accountant: str = "rdp",
+    relation: str = "add_or_remove",
+    group_size: Optional[int] = None,
+    **options,
+) -> float:
+    """ε at ``delta`` of ``event`` (one of :mod:`trl_userdp.accountants.events`); ``options`` go
+    to :func:`make_accountant`."""
+    check_delta(delta, "delta")
+    return float(_compose(event, accountant, relation, group_size, **options).get_epsilon(delta))
+
+
+def compute_delta(
+    event: dpa.DpEvent,
+    epsilon: float,
+    *,
+    accountant: str = "rdp",
+    relation: str = "add_or_remove",
+    group_size: Optional[int] = None,
+    **options,
+) -> float:
+    """δ at ``epsilon`` of ``event``."""
+    if not epsilon >= 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}.")
+    return float(_compose(event, accountant, relation, group_size, **options).get_delta(epsilon))
+
+
+def calibrate_noise_multiplier(
+    make_event: Callable[[float], dpa.DpEvent],
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    accountant: str = "rdp",
+    relation: str = "add_or_remove",
+    group_size: Optional[int] = None,
+    tol: float = 1e-4,
+    min_sigma: float = 0.05,
+    max_sigma: float = 1e4,
+    **options,
+) -> float:
+    """Smallest σ (within ``tol``) whose event meets ``(target_epsilon, target_delta)``.
+
+    A bracket is found by doubling/halving from σ = 1, then dp-accounting's
+    ``calibrate_dp_mechanism`` bisects (Brent) inside it. The returned σ never exceeds the budget.
+    """
+    check_epsilon(target_epsilon)
+    check_delta(target_delta)
+    check_accountant(accountant)
+
+    def eps(sigma: float) -> float:
+        return compute_epsilon(
+            make_event(sigma), target_delta, accountant=accountant, relation=relation, group_size=group_size, **options
+        )
+
+    lo, hi = 1.0, 1.0
+    if eps(hi) > target_epsilon:
+        while eps(hi) > target_epsilon:
+            lo, hi = hi, 2 * hi
+            if hi > max_sigma:
+                raise ValueError(
+                    f"target_epsilon={target_epsilon} at target_delta={target_delta} needs a noise multiplier "
+                    f"above {max_sigma}: the privacy budget is too small for this many steps."
+                )
+    else:
+        while eps(lo) <= target_epsilon:
+            hi, lo = lo, lo / 2
+            if lo < min_sigma:
+                raise ValueError(
+                    f"target_epsilon={target_epsilon} is met even with a noise multiplier of {min_sigma}: "
+                    "the budget does not constrain training; choose a smaller target_epsilon or more steps."
+                )
+    sigma = dpa.calibrate_dp_mechanism(
+        lambda: make_accountant(accountant, relation, group_size, **options),
+        make_event,
+        target_epsilon,
+        target_delta,
+        bracket_interval=dpa.ExplicitBracketInterval(lo, hi),
+        tol=tol,
+    )
+    if sigma is None:  # Brent did not converge: fall back to the safe end of the bracket
+        sigma = hi
+    return float(sigma)
+
+
+def group_privacy(epsilon0: float, delta0: float, group_size: int) -> Tuple[float, float]:
+    """Item-level ``(ε₀, δ₀)`` → guarantee for a group of ``m`` records: ``(mε₀, m e^{(m−1)ε₀} δ₀)``."""
+    m = check_max_samples_per_user(group_size, "group_size")
+    return m * epsilon0, m * math.exp((m - 1) * epsilon0) * delta0
+
+
+def item_level_target(epsilon: float, delta: float, group_size: int) -> Tuple[float, float]:
+    """Inverse of :func:`group_privacy` at ``ε₀ = ε/m``: the item-level target implying ``(ε, δ)``."""
+    check_epsilon(epsilon, "epsilon")
+    check_delta(delta, "delta")
+    m = check_max_samples_per_user(group_size, "group_size")
+    eps0 = epsilon / m
+    return eps0, delta / (m * math.exp((m - 1) * eps0))
+
+
+def aup_epsilon(
+    *,
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    n_users: int,
+    max_users_per_batch: Optional[int],
+    svt_epsilon: float,
+    delta: float,
+    accountant: str = "pld",
+    relation: str = "add_or_remove",
+) -> Tuple[float, float, float]:
+    """AUP-RLHF total ε at ``delta``: the Gaussian half (Poisson or truncated-Poisson subsampled,
+    ``steps`` steps) plus the pure-ε AboveThreshold half, by basic composition (AUP-RLHF Thm 3).
+
+    Returns ``(total, gaussian_part, svt_part)``.
+    """
+    check_epsilon(svt_epsilon, "svt_epsilon")
+    if max_users_per_batch is None:
+        event = poisson_gaussian_event(noise_multiplier, sample_rate, steps)
+    else:
+        event = truncated_poisson_gaussian_event(noise_multiplier, sample_rate, steps, n_users, max_users_per_batch)
+    gauss = compute_epsilon(event, delta, accountant=accountant, relation=relation)
+    return gauss + svt_epsilon, gauss, float(svt_epsilon)

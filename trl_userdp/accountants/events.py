@@ -1,0 +1,107 @@
+"""dp-accounting events for the user-level mechanisms of SPEC §2.
+
+Every privacy figure in this package comes from composing one of these events in a
+dp-accounting ``PrivacyAccountant`` (RDP or PLD); nothing here computes ε itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting as dpa
+from scipy import stats
+
+from ..validators import (
+    check_epsilon,
+    check_max_samples_per_user,
+    check_noise_multiplier,
+    check_sample_rate,
+)
+
+
+def _check_steps(steps: int) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an integer >= 0, got {steps!r}.")
+    return steps
+
+
+def poisson_gaussian_event(noise_multiplier: float, sample_rate: float, steps: int) -> dpa.DpEvent:
+    """``T`` Poisson-subsampled Gaussian steps: M1 user-wise DP-SGD with q over users
+    (AUP-RLHF Alg. 4), or item-level DP-SGD with q over records (M2)."""
+    check_noise_multiplier(noise_multiplier)
+    check_sample_rate(sample_rate)
+    return dpa.SelfComposedDpEvent(
+        dpa.PoissonSampledDpEvent(sample_rate, dpa.GaussianDpEvent(noise_multiplier)), _check_steps(steps)
+    )
+
+
+def truncated_poisson_gaussian_event(
+    noise_multiplier: float, sample_rate: float, steps: int, n_users: int, max_users_per_batch: int
+) -> dpa.DpEvent:
+    """``T`` steps of truncated Poisson sampling + Gaussian (SPEC §2 M4: AUP caps a step at
+    ``ñ_max`` users). Only dp-accounting's PLD accountant supports this event."""
+    check_noise_multiplier(noise_multiplier)
+    check_sample_rate(sample_rate)
+    if max_users_per_batch < 1 or n_users < 1:
+        raise ValueError("n_users and max_users_per_batch must be >= 1.")
+    return dpa.SelfComposedDpEvent(
+        dpa.TruncatedSubsampledGaussianDpEvent(
+            dataset_size=int(n_users),
+            sampling_probability=sample_rate,
+            truncated_batch_size=int(max_users_per_batch),
+            noise_multiplier=noise_multiplier,
+        ),
+        _check_steps(steps),
+    )
+
+
+def els_event(
+    noise_multiplier: float, record_sample_rate: float, steps: int, max_samples_per_user: int
+) -> dpa.DpEvent:
+    """User-level view of item-level DP-SGD with Poisson record sampling (ELS, Charles et al. 2024).
+
+    A user with ``m`` records has ``k ~ Binomial(m, q)`` of them in a step, each clipped to ``C``,
+    so removing the user shifts the noisy sum by at most ``k·C``: a mixture of Gaussians with
+    sensitivities ``k`` (in units of ``C``) and weights ``Binomial(m, q).pmf(k)``. Only the PLD
+    accountant supports it, under add/remove-one-user.
+    """
+    check_noise_multiplier(noise_multiplier)
+    check_sample_rate(record_sample_rate)
+    m = check_max_samples_per_user(max_samples_per_user)
+    pmf = stats.binom.pmf(range(m + 1), m, record_sample_rate)
+    keep = [k for k in range(m + 1) if pmf[k] > 0]
+    probs = [float(pmf[k]) for k in keep]
+    total = sum(probs)
+    return dpa.SelfComposedDpEvent(
+        dpa.dp_event.MixtureOfGaussiansDpEvent(
+            standard_deviation=noise_multiplier,
+            sensitivities=[float(k) for k in keep],
+            sampling_probs=[p / total for p in probs],
+        ),
+        _check_steps(steps),
+    )
+
+
+def randomized_response_noise_parameter(epsilon_per_label: float, num_choices: int = 2) -> float:
+    """dp-accounting's RR noise parameter ``p`` (replace by a uniform draw with probability p)
+    that keeps a label with probability ``e^ε'/(e^ε' + K − 1)`` (SPEC §2 M3)."""
+    check_epsilon(epsilon_per_label, "epsilon_per_label")
+    if num_choices < 2:
+        raise ValueError(f"num_choices must be >= 2, got {num_choices}.")
+    return num_choices / (math.exp(epsilon_per_label) + num_choices - 1)
+
+
+def randomized_response_event(epsilon: float, max_samples_per_user: int, num_choices: int = 2) -> dpa.DpEvent:
+    """User-level randomized response: each of a user's ``m`` labels gets RR at ``ε' = ε/m``
+    (basic composition over the user's labels, AUP-RLHF §4.1). Labels only; replace-one relation.
+
+    The m applications are listed in a ``ComposedDpEvent``, not a ``SelfComposedDpEvent``:
+    dp-accounting 0.6's PLD accountant ignores the count of a self-composed randomized response
+    and would report the ε of a single label (tests/accountants/test_events.py shows it).
+    """
+    check_epsilon(epsilon, "epsilon")
+    m = check_max_samples_per_user(max_samples_per_user)
+    rr = dpa.RandomizedResponseDpEvent(
+        noise_parameter=randomized_response_noise_parameter(epsilon / m, num_choices), num_buckets=num_choices
+    )
+    return dpa.ComposedDpEvent([rr] * m)

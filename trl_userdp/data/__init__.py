@@ -1,0 +1,23 @@
+"""User-level data pipeline: user ids, contribution bounding, Poisson sampling over users,
+collation that keeps each row's user (SPEC §1)."""
+
+from .bounding import BoundingReport, UserSubset, bound_contributions
+from .collate import UserBatch, UserCollator, UserTaggedDataset, empty_like
+from .loader import UserDataLoader
+from .sampler import UserPoissonSampler
+from .users import DEFAULT_USER_COLUMN, UserIndex, resolve_user_ids
+
+__all__ = [
+    "DEFAULT_USER_COLUMN",
+    "BoundingReport",
+    "UserBatch",
+    "UserCollator",
+    "UserDataLoader",
+    "UserIndex",
+    "UserPoissonSampler",
+    "UserSubset",
+    "UserTaggedDataset",
+    "bound_contributions",
+    "empty_like",
+    "resolve_user_ids",
+]

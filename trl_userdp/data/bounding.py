@@ -1,0 +1,72 @@
+"""Contribution bounding (SPEC §1): each user keeps at most ``m`` rows, chosen once, before training,
+by a seeded uniform draw. Without this bound no user-level guarantee holds."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+from torch.utils.data import Subset
+
+from ..validators import check_max_samples_per_user
+from .users import DEFAULT_USER_COLUMN, UserIndex, is_hf_dataset, resolve_user_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundingReport:
+    """What contribution bounding did: users, rows in, rows kept and rows dropped."""
+
+    n_users: int
+    max_samples_per_user: int
+    rows_in: int
+    rows_kept: int
+    rows_dropped: int
+    users_truncated: int
+    seed: Optional[int]
+
+
+class UserSubset(Subset):
+    """A ``torch.utils.data.Subset`` that remembers the user id of each kept row."""
+
+    def __init__(self, dataset: Any, indices: Sequence[int], user_ids: Sequence[Any]):
+        super().__init__(dataset, list(indices))
+        self.user_ids = list(user_ids)
+
+
+def bound_contributions(
+    dataset: Any,
+    max_samples_per_user: int,
+    *,
+    user_column: str = DEFAULT_USER_COLUMN,
+    user_ids: Optional[Sequence[Any]] = None,
+    seed: Optional[int] = 0,
+) -> Tuple[Any, BoundingReport]:
+    """Keep at most ``max_samples_per_user`` rows per user (uniformly at random, seeded).
+
+    Returns the bounded dataset, in the original row order, and a :class:`BoundingReport`.
+    A ``datasets.Dataset`` comes back as a ``datasets.Dataset`` (its user column rides along); any
+    other dataset as a :class:`UserSubset` carrying the kept rows' ``user_ids``. Bounding a bounded
+    dataset again drops nothing.
+    """
+    m = check_max_samples_per_user(max_samples_per_user)
+    index = resolve_user_ids(dataset, user_column=user_column, user_ids=user_ids)
+    kept = _draw_rows(index, m, seed)
+    report = BoundingReport(
+        n_users=index.n_users,
+        max_samples_per_user=m,
+        rows_in=index.n_rows,
+        rows_kept=len(kept),
+        rows_dropped=index.n_rows - len(kept),
+        users_truncated=int((index.counts > m).sum()),
+        seed=seed,
+    )
+    if is_hf_dataset(dataset) and user_ids is None and not hasattr(dataset, "user_ids"):
+        return dataset.select(kept.tolist()), report
+    return UserSubset(dataset, kept.tolist(), index.keys[index.codes[kept]].tolist()), report
+
+
+def _draw_rows(index: UserIndex, m: int, seed: Optional[int]) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    kept = [rows if len(rows) <= m else rng.choice(rows, size=m, replace=False) for rows in index.rows]
+    return np.sort(np.concatenate(kept))

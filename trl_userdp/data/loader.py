@@ -1,0 +1,102 @@
+"""``UserDataLoader``: the user-level counterpart of Opacus's ``DPDataLoader``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader
+
+from .collate import UserCollator, UserTaggedDataset
+from .sampler import UserPoissonSampler
+from .users import DEFAULT_USER_COLUMN, UserIndex, resolve_user_ids
+
+
+class UserDataLoader(DataLoader):
+    """Yields user-level Poisson batches in the batch structure of the wrapped collator.
+
+    Each step's users are drawn by :class:`UserPoissonSampler`; empty steps arrive as zero-row
+    batches. The row → user map of a batch is recorded when the batch is *yielded* (so it is right
+    with worker processes that run ahead) in :attr:`last_row_users`, and passed to every callback
+    registered with :meth:`add_batch_callback` (the engine's optimizer registers itself).
+
+    If ``max_samples_per_user`` is given, a user with more rows raises: the dataset must be bounded
+    first (:func:`~trl_userdp.data.bound_contributions`).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        users_per_batch: float,
+        user_ids: Optional[Sequence[Any]] = None,
+        user_column: str = DEFAULT_USER_COLUMN,
+        max_samples_per_user: Optional[int] = None,
+        collate_fn: Optional[Callable] = None,
+        rows_per_example: int = 1,
+        steps: Optional[int] = None,
+        max_users_per_batch: Optional[int] = None,
+        samples_per_user: Optional[int] = None,
+        seed: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+        num_replicas: int = 1,
+        rank: int = 0,
+        **kwargs: Any,
+    ):
+        clash = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & kwargs.keys())
+        if clash:
+            raise ValueError(f"UserDataLoader draws its own batches over users; do not pass {clash}.")
+        self.user_index: UserIndex = resolve_user_ids(dataset, user_column=user_column, user_ids=user_ids)
+        if max_samples_per_user is not None:
+            worst = int(self.user_index.counts.max())
+            if worst > max_samples_per_user:
+                raise ValueError(
+                    f"A user has {worst} rows, more than max_samples_per_user={max_samples_per_user}: "
+                    "bound contributions first (trl_userdp.data.bound_contributions)."
+                )
+        self.max_samples_per_user = max_samples_per_user
+        self.user_dataset = dataset
+        tagged = UserTaggedDataset(dataset, self.user_index.codes, user_column)
+        sampler = UserPoissonSampler(
+            self.user_index,
+            users_per_batch,
+            steps=steps,
+            max_users_per_batch=max_users_per_batch,
+            samples_per_user=samples_per_user,
+            seed=seed,
+            generator=generator,
+            num_replicas=num_replicas,
+            rank=rank,
+        )
+        collator = UserCollator(collate_fn, template=tagged[0][0], rows_per_example=rows_per_example)
+        super().__init__(tagged, batch_sampler=sampler, collate_fn=collator, **kwargs)
+        self.last_row_users: Optional[torch.Tensor] = None
+        self._callbacks: List[Callable[[torch.Tensor], None]] = []
+
+    @property
+    def user_sampler(self) -> UserPoissonSampler:
+        return self.batch_sampler
+
+    @property
+    def sample_rate(self) -> float:
+        """User sampling rate ``q = users_per_batch / n_users`` (what the accountant uses)."""
+        return self.batch_sampler.sample_rate
+
+    @property
+    def users_per_batch(self) -> float:
+        return self.batch_sampler.users_per_batch
+
+    @property
+    def n_users(self) -> int:
+        return self.user_index.n_users
+
+    def add_batch_callback(self, fn: Callable[[torch.Tensor], None]) -> None:
+        """Call ``fn(row_users)`` whenever a batch is yielded."""
+        self._callbacks.append(fn)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch, row_users in super().__iter__():
+            self.last_row_users = row_users
+            for fn in self._callbacks:
+                fn(row_users)
+            yield batch

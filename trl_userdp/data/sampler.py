@@ -1,0 +1,98 @@
+"""User-level Poisson sampling (SPEC §1): each user joins a step independently with probability
+``q = users_per_batch / n_users`` and brings all its rows (or ``k`` of them, AUP-RLHF Alg. 4).
+Empty steps are yielded, not skipped: the accountant counts them and the optimizer adds noise."""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Optional
+
+import torch
+from torch.utils.data import Sampler
+
+from ..validators import check_max_samples_per_user, check_users_per_batch
+from .users import UserIndex
+
+
+class UserPoissonSampler(Sampler[List[int]]):
+    """Batch sampler over users, usable as ``DataLoader(..., batch_sampler=...)``.
+
+    Args:
+        users: the :class:`UserIndex` of the (bounded) dataset.
+        users_per_batch: expected users per step ``ñ`` (a float is fine); ``q = ñ / n_users``.
+        steps: steps per pass over the loader; default ``round(1/q)`` (one epoch in expectation,
+            as Opacus's ``DPDataLoader``).
+        max_users_per_batch: truncated Poisson sampling: if more users are drawn, keep a uniform
+            subset of this size (AUP-RLHF needs a bounded step; SPEC §2 M4).
+        samples_per_user: draw ``k`` of a sampled user's rows per step instead of all of them.
+        seed / generator: source of randomness (a seed is required with ``num_replicas > 1``, so that
+            every rank draws the same users).
+        num_replicas, rank: data-parallel sharding. Every rank draws the same users and keeps those
+            with ``user % num_replicas == rank``, so the ranks' batches together form one Poisson step.
+    """
+
+    def __init__(
+        self,
+        users: UserIndex,
+        users_per_batch: float,
+        *,
+        steps: Optional[int] = None,
+        max_users_per_batch: Optional[int] = None,
+        samples_per_user: Optional[int] = None,
+        seed: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ):
+        self.users = users
+        self.users_per_batch = check_users_per_batch(users_per_batch, users.n_users)
+        self.sample_rate = self.users_per_batch / users.n_users
+        self.steps = int(round(1 / self.sample_rate)) if steps is None else int(steps)
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps!r}.")
+        if max_users_per_batch is not None and max_users_per_batch < self.users_per_batch:
+            raise ValueError(
+                f"max_users_per_batch ({max_users_per_batch}) must be >= users_per_batch ({users_per_batch})."
+            )
+        self.max_users_per_batch = max_users_per_batch
+        self.samples_per_user = (
+            None if samples_per_user is None else check_max_samples_per_user(samples_per_user, "samples_per_user")
+        )
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must lie in [0, num_replicas), got rank={rank}, num_replicas={num_replicas}.")
+        if num_replicas > 1 and seed is None and generator is None:
+            raise ValueError("With num_replicas > 1 pass a `seed` shared by all ranks, so they draw the same users.")
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(torch.seed() if seed is None else seed)
+        self.generator = generator
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def sample_users(self) -> torch.Tensor:
+        """One step's users (all ranks): Poisson with rate q, truncated to ``max_users_per_batch``."""
+        n = self.users.n_users
+        users = torch.nonzero(torch.rand(n, generator=self.generator) < self.sample_rate).flatten()
+        cap = self.max_users_per_batch
+        if cap is not None and len(users) > cap:
+            users = users[torch.randperm(len(users), generator=self.generator)[:cap]].sort().values
+        return users
+
+    def _rows(self, user: int) -> List[int]:
+        rows = self.users.rows[user]
+        k = self.samples_per_user
+        if k is not None and len(rows) > k:
+            rows = rows[torch.randperm(len(rows), generator=self.generator)[:k].sort().values.numpy()]
+        return rows.tolist()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _ in range(self.steps):
+            users = self.sample_users()
+            batch: List[int] = []
+            for u in users.tolist():
+                rows = self._rows(u)  # drawn on every rank, so generators stay in step
+                if u % self.num_replicas == self.rank:
+                    batch.extend(rows)
+            yield batch

@@ -1,0 +1,84 @@
+"""Who wrote each row: user ids from a ``datasets.Dataset`` column or an aligned sequence."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+DEFAULT_USER_COLUMN = "user_id"
+
+
+@dataclasses.dataclass(frozen=True)
+class UserIndex:
+    """Rows grouped by user.
+
+    ``codes[i]`` is the user of row ``i`` as an integer in ``[0, n_users)``; ``keys[c]`` is the
+    original id of code ``c``; ``rows[c]`` the row indices of user ``c`` in increasing order.
+    """
+
+    codes: np.ndarray
+    keys: np.ndarray
+    rows: List[np.ndarray]
+
+    @property
+    def n_users(self) -> int:
+        return len(self.keys)
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.codes)
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.bincount(self.codes, minlength=self.n_users)
+
+    @classmethod
+    def from_ids(cls, ids: Sequence[Any]) -> "UserIndex":
+        """Build the index, rejecting missing ids (``None`` or NaN): a row without a user cannot be
+        bounded or accounted, and guessing one would silently break the guarantee."""
+        ids = list(ids)
+        for i, u in enumerate(ids):
+            if u is None or (isinstance(u, float) and math.isnan(u)):
+                raise ValueError(f"Row {i} has no user id ({u!r}); every row needs one for user-level DP.")
+        if not ids:
+            raise ValueError("The dataset is empty: there are no users to train on.")
+        keys, codes = np.unique(np.asarray(ids), return_inverse=True)
+        codes = codes.astype(np.int64).reshape(-1)
+        order = np.argsort(codes, kind="stable")
+        bounds = np.cumsum(np.bincount(codes, minlength=len(keys)))[:-1]
+        return cls(codes=codes, keys=keys, rows=np.split(order, bounds))
+
+
+def is_hf_dataset(dataset: Any) -> bool:
+    return hasattr(dataset, "column_names") and hasattr(dataset, "select")
+
+
+def resolve_user_ids(
+    dataset: Any, *, user_column: str = DEFAULT_USER_COLUMN, user_ids: Optional[Sequence[Any]] = None
+) -> UserIndex:
+    """The :class:`UserIndex` of ``dataset``.
+
+    Sources, in order: an explicit ``user_ids`` sequence aligned with the dataset; the
+    ``user_ids`` attribute of a dataset returned by :func:`~trl_userdp.data.bound_contributions`;
+    the ``user_column`` of a ``datasets.Dataset``.
+    """
+    if user_ids is None:
+        user_ids = getattr(dataset, "user_ids", None)
+    if user_ids is None:
+        if not is_hf_dataset(dataset):
+            raise ValueError(
+                f"Cannot find user ids for a {type(dataset).__name__}: pass `user_ids=` (one id per row), "
+                f"or use a datasets.Dataset with a {user_column!r} column."
+            )
+        if user_column not in dataset.column_names:
+            raise ValueError(
+                f"The dataset has no user column {user_column!r} (columns: {dataset.column_names}). "
+                "Add one (one id per row, the person who gave the label) or set `user_column`."
+            )
+        user_ids = dataset[user_column]
+    if len(user_ids) != len(dataset):
+        raise ValueError(f"user_ids has {len(user_ids)} entries but the dataset has {len(dataset)} rows.")
+    return UserIndex.from_ids(user_ids)
