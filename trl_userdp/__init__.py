@@ -1,7 +1,20 @@
 """trl_userdp: user-level differential privacy for RLHF on Opacus and TRL."""
 
 from .accountants import PrivacyReport
+from .data import UserDataLoader, bound_contributions
+from .grad_sample import UserGradSampleHooks
+from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer
+from .privacy_engine import PrivacyEngine
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["PrivacyReport", "__version__"]
+__all__ = [
+    "PrivacyBudgetExhausted",
+    "PrivacyEngine",
+    "PrivacyReport",
+    "UserDPOptimizer",
+    "UserDataLoader",
+    "UserGradSampleHooks",
+    "__version__",
+    "bound_contributions",
+]

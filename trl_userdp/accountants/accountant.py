@@ -6,8 +6,9 @@ registered with Opacus under ``"dp_rdp"`` and ``"dp_pld"``::
 
     opacus.PrivacyEngine(accountant="dp_pld")
 
-With ``group_size=m`` the history is read as item-level DP-SGD steps and the reported ε is the
-user-level guarantee through group privacy (SPEC §2 M2).
+With ``group_size=m`` the history is read as item-level DP-SGD steps (records sampled at rate q,
+each clipped) and the reported ε is the user-level guarantee for users of at most ``m`` records:
+through group privacy, or with ``els=True`` through ELS accounting (SPEC §2 M2).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
 from ..validators import check_delta
 from .analysis import compute_epsilon, neighboring_relation
-from .events import poisson_gaussian_event
+from .events import els_event, poisson_gaussian_event
+
+#: PLD discretisation for ELS: its mixture-of-Gaussians PLD is 10-70x slower at dp-accounting's
+#: default 1e-4; the coarser grid is still an upper bound (pessimistic rounding).
+ELS_DISCRETIZATION = 1e-3
 
 
 class DPAccountingAccountant(IAccountant):
@@ -29,24 +34,45 @@ class DPAccountingAccountant(IAccountant):
 
     kind = "rdp"
 
-    def __init__(self, *, relation: str = "add_or_remove", group_size: Optional[int] = None):
+    def __init__(self, *, relation: str = "add_or_remove", group_size: Optional[int] = None, els: bool = False):
         neighboring_relation(relation)  # validates the name
+        if els and (self.kind != "pld" or group_size is None):
+            raise ValueError("ELS accounting needs the PLD accountant and a group_size (records per user).")
         self.history = []
         self.relation = relation
         self.group_size = group_size
+        self.els = els
 
     #: Same history bookkeeping as Opacus: consecutive steps with equal (σ, q) are merged.
     step = RDPAccountant.step
 
+    @property
+    def conversion_group_size(self) -> Optional[int]:
+        """The group size for the group-privacy conversion (None for user-level and ELS)."""
+        return None if self.els else self.group_size
+
+    @property
+    def options(self) -> dict:
+        """Extra dp-accounting accountant options for this accountant's events."""
+        return {"value_discretization_interval": ELS_DISCRETIZATION} if self.els else {}
+
+    def step_event(self, noise_multiplier: float, sample_rate: float, steps: int) -> dpa.DpEvent:
+        """The event of ``steps`` steps at (σ, q)."""
+        if self.els:
+            return els_event(noise_multiplier, sample_rate, steps, self.group_size)
+        return poisson_gaussian_event(noise_multiplier, sample_rate, steps)
+
     def event(self) -> dpa.DpEvent:
         """The composed dp-accounting event of every step taken so far."""
-        return history_event(self.history)
+        return dpa.ComposedDpEvent([self.step_event(s, q, n) for s, q, n in self.history])
 
     def get_epsilon(self, delta: float, **kwargs) -> float:
         check_delta(delta, "delta")
         if not self.history:
             return 0.0
-        return _cached_epsilon(tuple(map(tuple, self.history)), delta, self.kind, self.relation, self.group_size)
+        return _cached_epsilon(
+            tuple(map(tuple, self.history)), delta, self.kind, self.relation, self.group_size, self.els
+        )
 
     def __len__(self) -> int:
         return len(self.history)
@@ -59,24 +85,23 @@ class DPAccountingAccountant(IAccountant):
         destination = super().state_dict(destination)
         destination["relation"] = self.relation
         destination["group_size"] = self.group_size
+        destination["els"] = self.els
         return destination
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
         self.relation = state_dict.get("relation", self.relation)
         self.group_size = state_dict.get("group_size", self.group_size)
-
-
-def history_event(history) -> dpa.DpEvent:
-    """Opacus history ``[(σ, q, steps), ...]`` as one dp-accounting event."""
-    return dpa.ComposedDpEvent([poisson_gaussian_event(s, q, n) for s, q, n in history])
+        self.els = state_dict.get("els", self.els)
 
 
 @lru_cache(maxsize=64)
-def _cached_epsilon(
-    history: Tuple[Tuple[float, float, int], ...], delta: float, kind: str, relation: str, group_size
-) -> float:
-    return compute_epsilon(history_event(history), delta, accountant=kind, relation=relation, group_size=group_size)
+def _cached_epsilon(history, delta: float, kind: str, relation: str, group_size, els: bool) -> float:
+    acc = _BY_KIND[kind](relation=relation, group_size=group_size, els=els)
+    acc.history = list(history)
+    return compute_epsilon(
+        acc.event(), delta, accountant=kind, relation=relation, group_size=acc.conversion_group_size, **acc.options
+    )
 
 
 class DPRdpAccountant(DPAccountingAccountant):
@@ -90,6 +115,13 @@ class DPPldAccountant(DPAccountingAccountant):
 
     kind = "pld"
 
+
+_BY_KIND = {"rdp": DPRdpAccountant, "pld": DPPldAccountant}
+#: Names accepted by :class:`trl_userdp.PrivacyEngine` (Opacus's "prv" is served by PLD).
+ACCOUNTANTS_BY_NAME = {
+    "rdp": DPRdpAccountant, "dp_rdp": DPRdpAccountant, "pld": DPPldAccountant, "dp_pld": DPPldAccountant,
+    "prv": DPPldAccountant,
+}
 
 for _cls in (DPRdpAccountant, DPPldAccountant):
     if _cls.mechanism() not in _ACCOUNTANTS:

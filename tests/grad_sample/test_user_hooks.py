@@ -1,0 +1,65 @@
+"""Per-user gradients from the hooks equal a per-user autograd loop (SPEC §2 M1, issue 3)."""
+
+import pytest
+import torch
+
+from ..helpers import assert_same_gradient, first_batch, make_private, pairs_by_user, sub_batch, user_grads
+from ..tiny_models import MODELS, btl_pair_losses
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_per_user_gradients_equal_a_per_user_autograd_loop(name):
+    engine, model, optimizer, loader, reference = make_private(MODELS[name]())
+    batch, row_users = first_batch(loader)
+    btl_pair_losses(model, batch).mean().backward()
+    grads = optimizer.unit_gradients()  # also runs the start-up self-check against autograd
+    names = [engine.hooks.param_names[p] for p in optimizer.params]
+    by_user = pairs_by_user(row_users)
+    assert engine.hooks.unit_ids and set(engine.hooks.unit_ids) == set(by_user)
+    for slot, user in enumerate(engine.hooks.unit_ids):
+        expected = user_grads(reference, batch, by_user[user])
+        assert_same_gradient({n: g[slot] for n, g in zip(names, grads)}, expected)
+
+
+def test_micro_batches_of_one_step_merge_per_user():
+    engine, model, optimizer, loader, reference = make_private(MODELS["llama"]())
+    batch, row_users = first_batch(loader, min_users=3)
+    by_user = pairs_by_user(row_users)
+    b = len(row_users) // 2
+    halves = [list(range(0, b // 2)), list(range(b // 2, b))]
+    for half in halves:  # the same user may sit in both halves
+        sub = sub_batch(batch, half)
+        engine.hooks.set_row_users(torch.cat([row_users[half], row_users[half]]))
+        btl_pair_losses(model, sub).mean().backward()
+    grads = optimizer.unit_gradients()
+    for slot, user in enumerate(engine.hooks.unit_ids):
+        expected = user_grads(reference, batch, by_user[user])
+        assert_same_gradient({engine.hooks.param_names[p]: g[slot] for p, g in zip(optimizer.params, grads)}, expected)
+
+
+def test_rows_without_a_batch_dimension_raise_instead_of_a_wrong_gradient():
+    class BadPositions(torch.nn.Module):  # a learned position embedding fed (1, T) positions
+        def __init__(self):
+            super().__init__()
+            self.tok = torch.nn.Embedding(10, 4)
+            self.wpe = torch.nn.Embedding(8, 4)
+            self.head = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            pos = torch.arange(x.shape[1]).unsqueeze(0)
+            return self.head(self.tok(x) + self.wpe(pos)).mean(1)
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import trl_userdp
+
+    model = BadPositions()
+    engine = trl_userdp.PrivacyEngine()
+    ds = TensorDataset(torch.randint(0, 10, (12, 5)))
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(ds),
+        noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=2, users_per_batch=5, user_ids=list(range(6)) * 2,
+    )
+    (x,) = next(b for b in loader if len(b[0]) > 1)
+    with pytest.raises(ValueError, match=r"'wpe.weight' got per-sample gradients for 1 rows.*position_ids"):
+        model(x).mean().backward()

@@ -1,0 +1,106 @@
+"""UserDPOptimizer: exactness, the per-user bound, the noise level (SPEC §2 M1, issue 3)."""
+
+import pytest
+import torch
+from scipy import stats
+from torch.utils.data import DataLoader, TensorDataset
+
+import trl_userdp
+
+from ..helpers import assert_same_gradient, first_batch, make_private, pairs_by_user, sub_batch
+from ..tiny_models import MODELS, btl_pair_losses
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_noiseless_unclipped_step_equals_plain_training_on_the_mean_of_user_means(name):
+    ñ = 4.0
+    engine, model, optimizer, loader, reference = make_private(MODELS[name](), users_per_batch=ñ)
+    batch, row_users = first_batch(loader)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    btl_pair_losses(model, batch).mean().backward()
+    optimizer.step()  # SGD, lr = 1
+    # plain training: loss = (1/ñ) Σ_u mean over u's pairs, with ñ the expected users per step
+    reference.zero_grad()
+    loss = sum(btl_pair_losses(reference, sub_batch(batch, pairs)).mean() for pairs in pairs_by_user(row_users).values())
+    (loss / ñ).backward()
+    after = dict(model.named_parameters())
+    updates = {n: before[n] - after[n].detach() for n in before}
+    assert_same_gradient(updates, {n: p.grad for n, p in reference.named_parameters() if p.requires_grad})
+
+
+def _pre_noise_update(engine, optimizer, model, batch, row_users, weights):
+    """p.grad after clipping and scaling, σ = 0 (the update before noise), as one flat vector."""
+    optimizer.zero_grad()
+    engine.hooks.set_row_users(row_users)
+    (btl_pair_losses(model, batch) * weights).mean().backward()
+    optimizer.pre_step()
+    flat = torch.cat([p.grad.flatten() for p in optimizer.params])
+    optimizer.zero_grad()
+    return flat
+
+
+@pytest.mark.parametrize("mechanism", ["user_dpsgd", "group"])
+def test_an_adversarial_user_moves_the_update_by_at_most_its_sensitivity(mechanism):
+    """User-wise DP-SGD: one user shifts the pre-noise update by ≤ C/ñ however many records it has.
+    Group baseline: by ≤ k·C/ñ for the k ≤ m records it has in the step (per-record clipping)."""
+    C = 0.01
+    engine, model, optimizer, loader, _ = make_private(MODELS["llama"](), max_grad_norm=C, mechanism=mechanism, users_per_batch=5)
+    if mechanism == "user_dpsgd":
+        user_of = lambda code: code  # noqa: E731 - units are users
+    else:  # units are records of the bounded dataset
+        owners = loader.user_dataset["user_id"]
+        user_of = lambda code: owners[code]  # noqa: E731
+    for batch in loader:  # a step where the adversary has several units (records) if it can
+        units = loader.last_row_users[: batch["input_ids"].shape[0] // 2]
+        users = [user_of(int(c)) for c in units]
+        if len(set(users)) >= 2 and users.count(users[0]) >= 2:
+            break
+    row_users = loader.last_row_users.clone()
+    adversary = users[0]
+    mask = torch.tensor([u == adversary for u in users])
+    with_adversary = _pre_noise_update(engine, optimizer, model, batch, row_users, torch.where(mask, 1e4, 1.0))
+    keep = [i for i in range(len(users)) if not mask[i]]
+    without = _pre_noise_update(engine, optimizer, model, sub_batch(batch, keep), units[keep].repeat(2), torch.ones(len(keep)))
+    ñ = optimizer.expected_batch_size
+    assert int(mask.sum()) >= 2  # the adversary has several records in this step
+    k = int(mask.sum()) if mechanism == "group" else 1  # user-wise: one bound for all of them
+    shift = float(torch.linalg.vector_norm(with_adversary - without))
+    assert shift <= k * C / ñ * (1 + 1e-4)
+    assert shift >= 0.5 * C / ñ  # clipped, not dropped: the test can fail both ways
+
+
+def test_noise_variance_matches_sigma_c_over_n_tilde():
+    sigma, C, ñ = 2.0, 0.5, 4.0
+    model = torch.nn.Linear(40, 50)
+    ds = TensorDataset(torch.randn(60, 40))
+    engine = trl_userdp.PrivacyEngine()
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(ds),
+        noise_multiplier=sigma, max_grad_norm=C, max_samples_per_user=3, users_per_batch=ñ, user_ids=list(range(20)) * 3,
+        sampling_seed=0, noise_generator=torch.Generator().manual_seed(1),
+    )
+    draws = []
+    for (x,) in loader:
+        optimizer.zero_grad()
+        (0.0 * model(x)).mean().backward()  # zero gradients: the update is pure noise
+        before = model.weight.detach().clone()
+        optimizer.step()
+        draws.append((before - model.weight.detach()).flatten())
+    noise = torch.cat(draws).double()
+    n = noise.numel()
+    expected_var = (sigma * C / ñ) ** 2
+    lo, hi = stats.chi2.interval(0.999, n - 1)
+    stat = (n - 1) * float(noise.var()) / expected_var
+    assert lo <= stat <= hi, (float(noise.var()), expected_var)
+    assert abs(float(noise.mean())) < 4 * (expected_var / n) ** 0.5
+
+
+def test_steps_clear_stale_grad_samples_without_zero_grad():
+    engine, model, optimizer, loader, _ = make_private(MODELS["llama"](), lr=0.1)
+    for step, batch in enumerate(loader):
+        model.zero_grad()  # what transformers' Trainer calls: it keeps grad_sample
+        btl_pair_losses(model, batch).mean().backward()
+        optimizer.step()
+        assert all(getattr(p, "grad_sample", None) is None for p in optimizer.params)
+        if step == 3:
+            break

@@ -1,0 +1,237 @@
+"""trl_userdp.PrivacyEngine.make_private_user_level (issue 3): the intended use, accounting,
+empty steps, the budget guard, the group baseline and bad input."""
+
+import math
+
+import dp_accounting as dpa
+import pytest
+import torch
+from dp_accounting import pld, rdp
+from torch.utils.data import DataLoader, TensorDataset
+
+import trl_userdp
+from trl_userdp.accountants.analysis import RDP_ORDERS
+
+from .helpers import make_private
+from .tiny_models import MODELS, btl_pair_losses
+
+
+def _linear_task(n=200, n_users=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g)
+    y = (x[:, 0] > 0).float()
+    return TensorDataset(x, y), [i % n_users for i in range(n)]
+
+
+def _loss(out, target):
+    return torch.nn.functional.binary_cross_entropy_with_logits(out.squeeze(-1), target)
+
+
+def test_the_intended_use_works_as_written():
+    dataset, user_ids = _linear_task()
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    returned, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=optimizer, data_loader=DataLoader(dataset, batch_size=64),
+        noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=10, users_per_batch=8, user_ids=user_ids,
+    )
+    assert returned is model and callable(returned)
+    for batch in loader:
+        optimizer.zero_grad(); _loss(model(batch[0]), batch[1]).backward(); optimizer.step()  # noqa: E702
+    eps = engine.get_epsilon(1e-5)
+    assert 0 < eps < float("inf")
+    assert optimizer.expected_batch_size == 8.0 and isinstance(optimizer, trl_userdp.UserDPOptimizer)
+
+
+@pytest.mark.parametrize("kind", ["rdp", "pld"])
+def test_get_epsilon_equals_an_independent_dp_accounting_computation(kind):
+    dataset, user_ids = _linear_task()
+    model = torch.nn.Linear(5, 1)
+    engine = trl_userdp.PrivacyEngine(accountant=kind)
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
+        noise_multiplier=0.9, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=6, user_ids=user_ids,
+        sampling_seed=1,
+    )
+    steps = 0
+    for _ in range(2):
+        for x, y in loader:
+            optimizer.zero_grad(); _loss(model(x), y).backward(); optimizer.step(); steps += 1  # noqa: E702
+    q = 6 / 30
+    event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(0.9)), steps)
+    independent = (rdp.RdpAccountant(orders=RDP_ORDERS) if kind == "rdp" else pld.PLDAccountant()).compose(event)
+    assert steps == 2 * len(loader) == 10
+    assert engine.get_epsilon(1e-5) == pytest.approx(independent.get_epsilon(1e-5), rel=1e-9)
+    report = engine.privacy_report(1e-5)
+    assert report.steps_taken == 10 and report.sample_rate == pytest.approx(q) and report.epsilon == engine.get_epsilon(1e-5)
+    assert report.rows_dropped == 200 - 150 and report.n_users == 30 and report.max_samples_per_user == 5
+
+
+def test_empty_steps_add_noise_and_are_counted_with_or_without_backward():
+    dataset, user_ids = _linear_task(n=40, n_users=20)
+    model = torch.nn.Linear(5, 1)
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
+        noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=2, users_per_batch=0.5, user_ids=user_ids,
+        sampling_seed=0, noise_generator=torch.Generator().manual_seed(0),
+    )
+    empty_seen = 0
+    for i, (x, y) in enumerate(loader):
+        before = model.weight.detach().clone()
+        optimizer.zero_grad()
+        if len(x) == 0:
+            assert x.shape == (0, 5) and y.shape == (0,)
+            empty_seen += 1
+            if empty_seen % 2:
+                _loss(model(x), y).backward()  # NaN mean loss, zero-row per-sample gradients
+        else:
+            _loss(model(x), y).backward()
+        optimizer.step()
+        assert not torch.equal(before, model.weight.detach())  # noise moved the weights
+        assert torch.isfinite(model.weight).all()
+    assert empty_seen >= 2
+    assert engine.accountant.history == [(1.0, 0.5 / 20, len(loader))]
+
+
+def test_target_epsilon_calibrates_and_the_budget_guard_stops_at_the_plan():
+    dataset, user_ids = _linear_task()
+    model = torch.nn.Linear(5, 1)
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
+        target_epsilon=3.0, target_delta=1e-5, steps=12, max_grad_norm=1.0, max_samples_per_user=5,
+        users_per_batch=6, user_ids=user_ids,
+    )
+    taken = 0
+    with pytest.raises(trl_userdp.PrivacyBudgetExhausted):
+        for _ in range(5):
+            for x, y in loader:
+                optimizer.zero_grad(); _loss(model(x), y).backward(); optimizer.step(); taken += 1  # noqa: E702
+    assert taken == 12
+    assert 2.97 <= engine.get_epsilon(1e-5) <= 3.0
+
+
+@pytest.mark.parametrize("group_accounting", ["conversion", "els"])
+def test_group_baseline_accounts_records_through_group_privacy(group_accounting):
+    engine, model, optimizer, loader, _ = make_private(
+        MODELS["llama"](), mechanism="group", group_accounting=group_accounting, noise_multiplier=3.0,
+        max_grad_norm=1.0, users_per_batch=3, max_samples_per_user=3,
+    )
+    n_records = len(loader.user_dataset)
+    assert loader.sample_rate == pytest.approx(3 / 6) and n_records == 18
+    assert optimizer.expected_batch_size == pytest.approx(0.5 * 18)
+    for batch in loader:
+        optimizer.zero_grad(); btl_pair_losses(model, batch).mean().backward(); optimizer.step()  # noqa: E702
+    steps = len(loader)
+    item = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.5, dpa.GaussianDpEvent(3.0)), steps)
+    if group_accounting == "conversion":
+        inner = pld.PLDAccountant().compose(item)
+        eps = engine.get_epsilon(1e-5)
+        assert 3 * math.exp(2 * eps / 3) * inner.get_delta(eps / 3) <= 1e-5 * (1 + 1e-6)
+        assert 3 * math.exp(2 * 0.999 * eps / 3) * inner.get_delta(0.999 * eps / 3) > 1e-5
+    else:
+        mog = dpa.dp_event.MixtureOfGaussiansDpEvent(3.0, [0.0, 1.0, 2.0, 3.0], [0.125, 0.375, 0.375, 0.125])
+        independent = pld.PLDAccountant(value_discretization_interval=1e-3).compose(dpa.SelfComposedDpEvent(mog, steps))
+        assert engine.get_epsilon(1e-5) == pytest.approx(independent.get_epsilon(1e-5), rel=1e-9)
+    assert engine.privacy_report(1e-5).extra["clipping_unit"] == "record"
+
+
+def test_non_reentrant_gradient_checkpointing_is_rejected_before_training():
+    model = MODELS["llama"]()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        make_private(model)
+    model = MODELS["llama"]()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    make_private(model)  # reentrant checkpointing keeps per-sample gradients
+
+
+def test_modules_opacus_cannot_sample_are_rejected_with_the_fix():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    dataset, user_ids = _linear_task()
+    with pytest.raises(ValueError, match=r"ModuleValidator.fix"):
+        trl_userdp.PrivacyEngine().make_private_user_level(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
+            noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=4, user_ids=user_ids,
+        )
+
+
+class _FusedHead(torch.nn.Module):
+    """Reads its head weight functionally, as TRL's fused LM head does: no hook sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(5, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.tanh(self.body(x)), self.head.weight, self.head.bias)
+
+
+class _FusedTiedHead(torch.nn.Module):
+    """A tied embedding whose output use is functional: the per-sample gradient misses that use
+    (TRL's fused LM head on a tied model: silently wrong, caught by the self-check)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(7, 4)
+
+    def forward(self, x):
+        h = self.emb((x.abs() * 3).long().clamp(max=6)).mean(1)
+        return torch.nn.functional.linear(h, self.emb.weight)[:, :1]
+
+
+@pytest.mark.parametrize("model,match", [(_FusedHead, "bypassed the hooks"), (_FusedTiedHead, "Self-check failed")])
+def test_wrong_per_sample_gradients_refuse_to_train(model, match):
+    model, loss = model(), _loss
+    dataset, user_ids = _linear_task()
+    engine = trl_userdp.PrivacyEngine()
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
+        noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=6, user_ids=user_ids,
+        sampling_seed=0,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = next(b for b in loader if len(b[0]) > 0)
+    loss(model(x), y).backward()
+    with pytest.raises(ValueError, match=match):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert len(engine.accountant) == 0  # no step was taken or counted
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(noise_multiplier=-1.0), "noise_multiplier"),
+        (dict(noise_multiplier=None, target_epsilon=0.0, target_delta=1e-5, epochs=1), "target_epsilon"),
+        (dict(noise_multiplier=None, target_epsilon=3.0, target_delta=1.0, epochs=1), "target_delta"),
+        (dict(noise_multiplier=None, target_epsilon=3.0, target_delta=1e-5), "epochs"),
+        (dict(target_epsilon=3.0, target_delta=1e-5, epochs=1), "exactly one"),
+        (dict(max_samples_per_user=0), "max_samples_per_user"),
+        (dict(users_per_batch=31), "exceeds the number of users"),
+        (dict(max_grad_norm=0.0), "max_grad_norm"),
+        (dict(user_ids=None), "user_ids"),
+        (dict(mechanism="item"), "mechanism"),
+        (dict(grad_sample_mode="ghost"), "ghost clipping"),
+        (dict(mechanism="group", group_accounting="els"), "PLD"),
+    ],
+)
+def test_bad_input_raises_before_training(kwargs, match):
+    dataset, user_ids = _linear_task()
+    model = torch.nn.Linear(5, 1)
+    args = dict(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
+        noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=6, user_ids=user_ids,
+    )
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        trl_userdp.PrivacyEngine(accountant="rdp").make_private_user_level(**args)
+    assert not hasattr(model.weight, "grad_sample")  # nothing was attached
+
+
+def test_unknown_accountant_is_rejected():
+    with pytest.raises(ValueError, match="accountant"):
+        trl_userdp.PrivacyEngine(accountant="gdp")

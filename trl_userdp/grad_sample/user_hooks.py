@@ -1,0 +1,122 @@
+"""Per-user gradients from Opacus's per-sample hooks.
+
+:class:`UserGradSampleHooks` is Opacus's ``GradSampleHooks`` (attached to the model without
+wrapping it, so a ``PreTrainedModel`` stays one) with one change: as soon as a layer's per-row
+gradients exist, they are summed per privacy unit (a user, or a record for the group baseline)
+with ``index_add_``. So ``p.grad_sample`` holds ``[U, *p.shape]`` unit sums instead of
+``[R, *p.shape]`` row gradients (R ≥ U rows: pairs are two rows, users bring several pairs), and
+only one layer's per-row tensor is alive at a time.
+
+Row gradients follow Opacus's ``loss_reduction="mean"``: for a loss that is the mean over the
+batch's R rows, row i's gradient is ∇ℓ_i. Micro-batches of one logical step accumulate into the
+same unit slots; the optimizer divides each unit's sum by its row count (the user's average,
+AUP-RLHF Alg. 4's ``g_u``) before clipping.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from opacus.grad_sample import GradSampleHooks
+from opacus.utils.module_utils import trainable_parameters
+from torch import nn
+
+
+class UserGradSampleHooks(GradSampleHooks):
+    """Opacus hooks that keep per-unit gradient sums.
+
+    Before each forward/backward, :meth:`set_row_users` must receive the unit of every row of the
+    batch (``UserDataLoader`` does it when it yields a batch). A layer whose per-sample gradient has
+    a different number of rows than the batch raises instead of producing a wrong gradient.
+    """
+
+    def __init__(self, m: nn.Module, *, batch_first: bool = True, strict: bool = True, force_functorch: bool = False):
+        super().__init__(m, batch_first=batch_first, loss_reduction="mean", strict=strict, force_functorch=force_functorch)
+        self.param_names: Dict[nn.Parameter, str] = {p: n for n, p in trainable_parameters(m)}
+        self._pending: Optional[torch.Tensor] = None
+        self._serial = 0
+        self.record_row_norms = False
+        self.reset_step()
+
+    # -- the row -> unit map -------------------------------------------------------------
+    def set_row_users(self, row_users: Optional[torch.Tensor]) -> None:
+        """The unit code of each row of the next batch (LongTensor [R])."""
+        self._pending = None if row_users is None else torch.as_tensor(row_users, dtype=torch.long)
+        self._serial += 1
+
+    def reset_step(self) -> None:
+        """Forget the per-unit sums of the current step (called after every optimizer step)."""
+        self.unit_ids: List[int] = []
+        self._slot_of: Dict[int, int] = {}
+        self.unit_counts = torch.zeros(0)
+        self.rows_seen = 0
+        self.micro_batches = 0
+        self._counted_serial: Optional[int] = None
+        self._row_slots: Optional[torch.Tensor] = None
+        for p in self.param_names:
+            p.grad_sample = None
+            for attr in ("_unit_grad", "_row_norm_sum"):
+                if hasattr(p, attr):
+                    delattr(p, attr)
+
+    def _slots_for_current_batch(self) -> torch.Tensor:
+        if self._pending is None:
+            raise ValueError(
+                "No row -> user map for this batch: iterate the data loader returned by "
+                "make_private_user_level, or call set_row_users() before the forward pass."
+            )
+        if self._counted_serial != self._serial:  # first layer of this batch's backward pass
+            slots = []
+            for u in self._pending.tolist():
+                if u not in self._slot_of:
+                    self._slot_of[u] = len(self.unit_ids)
+                    self.unit_ids.append(u)
+                slots.append(self._slot_of[u])
+            self._row_slots = torch.tensor(slots, dtype=torch.long)
+            counts = torch.zeros(len(self.unit_ids))
+            counts[: len(self.unit_counts)] = self.unit_counts
+            counts.index_add_(0, self._row_slots, torch.ones(len(slots)))
+            self.unit_counts = counts
+            self.rows_seen += len(slots)
+            self.micro_batches += 1
+            self._counted_serial = self._serial
+        return self._row_slots
+
+    # -- Opacus extension point -------------------------------------------------------
+    def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
+        if not self.hooks_enabled:
+            return
+        super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
+        for _, p in trainable_parameters(module):
+            fresh = p.grad_sample is not None and p.grad_sample is not getattr(p, "_unit_grad", None)
+            if p._forward_counter == 0 and fresh:
+                rows = p.grad_sample[-1] if isinstance(p.grad_sample, list) else p.grad_sample
+                self._accumulate(p, rows)
+
+    def _accumulate(self, p: nn.Parameter, rows: torch.Tensor) -> None:
+        slots = self._slots_for_current_batch()
+        if rows.shape[0] != len(slots):
+            raise ValueError(
+                f"Parameter {self.param_names.get(p, '?')!r} got per-sample gradients for {rows.shape[0]} rows, "
+                f"but the batch has {len(slots)} rows. Its module's input has no per-row batch dimension "
+                "(learned position embeddings called without `position_ids` of shape (B, T)?) or the user map "
+                "does not match the batch layout (`rows_per_example`). Its per-user gradient would be wrong."
+            )
+        slots = slots.to(rows.device)
+        n = len(self.unit_ids)
+        acc = getattr(p, "_unit_grad", None)
+        if acc is None or acc.shape[0] < n:
+            grown = torch.zeros((n, *rows.shape[1:]), device=rows.device, dtype=rows.dtype)
+            if acc is not None:
+                grown[: acc.shape[0]] = acc
+            acc = grown
+        acc.index_add_(0, slots, rows)
+        if self.record_row_norms:  # the size of the summed terms, for the optimizer's self-check
+            p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + float(torch.linalg.vector_norm(rows.flatten(1), dim=1).sum())
+        p._unit_grad = acc
+        p.grad_sample = acc
+
+    def remove_hooks(self) -> None:
+        self.reset_step()
+        super().remove_hooks()

@@ -1,0 +1,142 @@
+"""``UserDPOptimizer``: Opacus's ``DPOptimizer`` on per-user averaged gradients (SPEC §2 M1).
+
+Per step: ``g_u`` = each unit's average row gradient (from :class:`UserGradSampleHooks`), clipped to
+``C`` by Opacus's own ``clip_and_accumulate``, summed, plus ``N(0, σ²C²)``, divided by the
+*expected* number of units per step ``ñ`` (a float) — AUP-RLHF Alg. 4, Chua et al. 2024.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+from opacus.optimizers import DPOptimizer
+from torch.optim import Optimizer
+
+from ..grad_sample import UserGradSampleHooks
+
+
+class PrivacyBudgetExhausted(RuntimeError):
+    """Raised instead of a step that would exceed the planned privacy budget."""
+
+
+class UserDPOptimizer(DPOptimizer):
+    """User-wise DP-SGD around any ``torch.optim.Optimizer``.
+
+    Args:
+        optimizer: the wrapped optimizer.
+        noise_multiplier: σ; the noise std on the sum is ``σ · max_grad_norm``.
+        max_grad_norm: C, the bound on each unit's averaged gradient.
+        expected_batch_size: ñ, expected units per step (``users_per_batch``); the noisy sum is
+            divided by it whatever the step's actual number of users.
+        hooks: the :class:`UserGradSampleHooks` attached to the model.
+        self_check: on the first non-empty single-batch step, check that the per-unit gradients
+            add up to autograd's gradient (``p.grad = Σ_u S_u / R``) and refuse to train if not.
+        max_steps: refuse to take more steps than this (the budget guard).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: float,
+        hooks: UserGradSampleHooks,
+        generator: Optional[torch.Generator] = None,
+        secure_mode: bool = False,
+        self_check: bool = True,
+        max_steps: Optional[int] = None,
+    ):
+        super().__init__(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction="mean",
+            generator=generator,
+            secure_mode=secure_mode,
+        )
+        self.hooks = hooks
+        self.self_check = hooks.record_row_norms = self_check
+        self.max_steps = max_steps
+        self.steps_taken = 0
+
+    @property
+    def accumulated_iterations(self) -> int:
+        """One logical step: micro-batches are merged per unit by the hooks, and an empty step
+        (no backward, no ``grad_sample``) still counts as one step for the accountant."""
+        return 1
+
+    def _param_name(self, p: torch.nn.Parameter) -> str:
+        return self.hooks.param_names.get(p, f"<parameter of shape {tuple(p.shape)}>")
+
+    def unit_gradients(self) -> List[torch.Tensor]:
+        """Each parameter's per-unit *averaged* gradients ``[U, *p.shape]`` for the current step
+        (unit order: ``hooks.unit_ids``), from the hooks' per-unit sums; does not modify state."""
+        counts = self.hooks.unit_counts
+        n_units = len(counts)
+        check = self.self_check and n_units > 0 and self.hooks.micro_batches == 1
+        out = []
+        for p in self.params:
+            sums = p.grad_sample
+            if sums is None:
+                if n_units > 0 and p.grad is not None and torch.count_nonzero(torch.nan_to_num(p.grad)) > 0:
+                    raise ValueError(
+                        f"{self._param_name(p)!r} received a gradient but no per-sample gradient: its forward "
+                        "bypassed the hooks (TRL's fused LM head, a functional call on the weight). Disable the "
+                        "fused path or freeze this parameter."
+                    )
+                sums = torch.zeros((n_units, *p.shape), device=p.device, dtype=p.dtype)
+            elif sums.shape[0] < n_units:  # unused in a later micro-batch: zero for the new units
+                sums = torch.cat([sums, sums.new_zeros((n_units - sums.shape[0], *p.shape))])
+            if check:
+                self._check_against_autograd(p, sums)
+            out.append(sums / counts.to(sums.device, sums.dtype).view(-1, *([1] * p.dim())))
+        if check:
+            self.self_check = self.hooks.record_row_norms = False
+        return out
+
+    def _check_against_autograd(self, p: torch.nn.Parameter, sums: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        expected = p.grad.reshape(p.shape)
+        got = sums.sum(0) / self.hooks.rows_seen
+        err = torch.linalg.vector_norm(got - expected)
+        # float error of a sum is relative to the size of its terms, which can cancel (a reward
+        # head's bias gets +g from the chosen row and -g from the rejected one)
+        terms = getattr(p, "_row_norm_sum", 0.0) / self.hooks.rows_seen
+        scale = max(float(torch.linalg.vector_norm(expected)), terms)
+        if not err <= 1e-3 * scale + 1e-12:
+            raise ValueError(
+                f"Self-check failed for {self._param_name(p)!r}: the per-user gradients add up to a different "
+                f"gradient than autograd's (relative error {float(err) / max(scale, 1e-30):.2e}). Training would "
+                "be wrong, so it stops here. Common causes: a forward that uses a weight outside its module "
+                "(fused or functional heads on tied embeddings, e.g. TRL's fused LM head); non-reentrant "
+                "gradient checkpointing; several backward passes per batch."
+            )
+
+    def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
+        for p, g in zip(self.params, self.unit_gradients()):
+            p.grad_sample = g
+        return super().pre_step(closure)
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        if self.max_steps is not None and self.steps_taken >= self.max_steps:
+            raise PrivacyBudgetExhausted(
+                f"All {self.max_steps} steps the privacy budget allows have been taken; another step would "
+                "exceed target_epsilon. Stop training (or plan more steps with a larger budget)."
+            )
+        try:
+            result = super().step(closure)
+            self.steps_taken += 1
+            return result
+        finally:
+            for p in self.params:
+                p.grad_sample = None
+                p.summed_grad = None
+            self.hooks.reset_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.hooks.reset_step()

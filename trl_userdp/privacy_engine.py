@@ -1,0 +1,229 @@
+"""``trl_userdp.PrivacyEngine``: Opacus's ``PrivacyEngine`` with ``make_private_user_level``.
+
+Mechanisms (SPEC §2):
+
+* ``"user_dpsgd"`` (M1): users are Poisson-sampled with ``q = users_per_batch / n_users``; each
+  user's averaged gradient is clipped to C; noise ``N(0, σ²C²)``; division by ``users_per_batch``.
+  Accounted as ``T`` Poisson-subsampled Gaussian steps at rate q (add/remove one user).
+* ``"group"`` (M2): the item-level baseline. Records (pairs) are Poisson-sampled at the same q,
+  each record's gradient is clipped, and the user-level guarantee comes from group privacy over
+  the ``m`` records of a user (``group_accounting="conversion"``) or from ELS accounting
+  (``"els"``, Charles et al. 2024, PLD only).
+
+Every privacy number comes from dp-accounting through the accountants of
+:mod:`trl_userdp.accountants`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from itertools import chain
+from typing import Any, Optional, Sequence, Tuple
+
+import opacus
+import torch
+from torch import nn, optim
+from torch.utils.data import DataLoader
+
+from .accountants import DPAccountingAccountant, PrivacyReport, calibrate_noise_multiplier
+from .accountants.accountant import ACCOUNTANTS_BY_NAME
+from .data import DEFAULT_USER_COLUMN, UserDataLoader, bound_contributions
+from .data.bounding import BoundingReport
+from .grad_sample import UserGradSampleHooks, check_module, supply_position_ids
+from .optimizers import UserDPOptimizer
+from .validators import (
+    check_delta,
+    check_epsilon,
+    check_max_samples_per_user,
+    check_noise_multiplier,
+    check_positive,
+    check_steps,
+)
+
+MECHANISMS = ("user_dpsgd", "group")
+GROUP_ACCOUNTING = ("conversion", "els")
+
+
+class PrivacyEngine(opacus.PrivacyEngine):
+    """Opacus's engine, plus user-level DP.
+
+    Args:
+        accountant: ``"rdp"`` or ``"pld"`` (dp-accounting; ``"prv"`` is taken as ``"pld"``, and the
+            registered names ``"dp_rdp"`` / ``"dp_pld"`` are accepted).
+        secure_mode: as in Opacus (needs ``torchcsprng``).
+        neighboring_relation: ``"add_or_remove"`` (default) or ``"replace"`` one user (PLD only).
+    """
+
+    def __init__(self, *, accountant: str = "pld", secure_mode: bool = False, neighboring_relation: str = "add_or_remove"):
+        if accountant not in ACCOUNTANTS_BY_NAME:
+            raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS_BY_NAME)}, got {accountant!r}.")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Secure RNG turned off")
+            super().__init__(accountant=ACCOUNTANTS_BY_NAME[accountant].mechanism(), secure_mode=secure_mode)
+        self.accountant: DPAccountingAccountant = ACCOUNTANTS_BY_NAME[accountant](relation=neighboring_relation)
+        self.mechanism: Optional[str] = None
+        self.bounding: Optional[BoundingReport] = None
+        self.hooks: Optional[UserGradSampleHooks] = None
+        self.optimizer: Optional[UserDPOptimizer] = None
+        self.data_loader: Optional[UserDataLoader] = None
+        self.planned_steps: Optional[int] = None
+        self._position_hook = None
+
+    def make_private_user_level(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: optim.Optimizer,
+        data_loader: DataLoader,
+        max_grad_norm: float,
+        max_samples_per_user: int,
+        users_per_batch: float,
+        noise_multiplier: Optional[float] = None,
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        epochs: Optional[float] = None,
+        steps: Optional[int] = None,
+        user_ids: Optional[Sequence[Any]] = None,
+        user_column: str = DEFAULT_USER_COLUMN,
+        mechanism: str = "user_dpsgd",
+        group_accounting: str = "conversion",
+        rows_per_example: int = 1,
+        bounding_seed: Optional[int] = 0,
+        sampling_seed: Optional[int] = None,
+        noise_generator: Optional[torch.Generator] = None,
+        self_check: bool = True,
+        grad_sample_mode: str = "hooks",
+    ) -> Tuple[nn.Module, UserDPOptimizer, UserDataLoader]:
+        """Make ``(module, optimizer, data_loader)`` user-level private.
+
+        Give either ``noise_multiplier`` or ``target_epsilon`` + ``target_delta`` + ``epochs``/``steps``
+        (σ is then calibrated with this engine's accountant, and the optimizer refuses steps beyond the
+        plan). ``data_loader`` supplies the dataset and collate function; it is replaced by a
+        :class:`~trl_userdp.data.UserDataLoader` over the contribution-bounded dataset (at most
+        ``max_samples_per_user`` rows per user, a seeded draw). ``user_ids`` (one per row) or a
+        ``user_column`` of a ``datasets.Dataset`` say who wrote each row; ``rows_per_example=2`` for
+        collators that emit ``[chosen; rejected]`` rows. The loss must be the mean over the batch's
+        rows; each user counts as the average of its rows. Returns the model itself (hooks attached),
+        the :class:`~trl_userdp.optimizers.UserDPOptimizer` and the loader. One epoch is
+        ``round(1/q)`` steps.
+        """
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}.")
+        if group_accounting not in GROUP_ACCOUNTING:
+            raise ValueError(f"group_accounting must be one of {GROUP_ACCOUNTING}, got {group_accounting!r}.")
+        if grad_sample_mode not in ("hooks", "functorch"):
+            raise ValueError(
+                "grad_sample_mode must be 'hooks' or 'functorch': per-user averages need per-sample "
+                f"gradients, which ghost clipping does not produce (got {grad_sample_mode!r})."
+            )
+        if self.hooks is not None:
+            raise ValueError("This engine already made a model private; create a new PrivacyEngine.")
+        m = check_max_samples_per_user(max_samples_per_user)
+        check_positive(max_grad_norm, "max_grad_norm")
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError("Give exactly one of `noise_multiplier` or `target_epsilon` (with `target_delta`).")
+        if target_epsilon is not None:
+            check_epsilon(target_epsilon)
+            check_delta(target_delta)
+            if epochs is None and steps is None:
+                raise ValueError("With target_epsilon, give `epochs` or `steps`: σ depends on how long you train.")
+        else:
+            check_noise_multiplier(noise_multiplier)
+        if mechanism == "group" and group_accounting == "els" and self.accountant.kind != "pld":
+            raise ValueError("ELS accounting needs the PLD accountant: PrivacyEngine(accountant='pld').")
+        model_params = set(module.parameters())
+        if any(p not in model_params for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)):
+            raise ValueError("Module parameters are different than optimizer parameters.")
+        check_module(module)
+
+        bounded, self.bounding = bound_contributions(
+            data_loader.dataset, m, user_column=user_column, user_ids=user_ids, seed=bounding_seed
+        )
+        loader_kwargs = dict(
+            collate_fn=data_loader.collate_fn,
+            num_workers=data_loader.num_workers,
+            pin_memory=data_loader.pin_memory,
+            rows_per_example=rows_per_example,
+            seed=sampling_seed,
+        )
+        if mechanism == "user_dpsgd":
+            loader = UserDataLoader(
+                bounded, users_per_batch=users_per_batch, user_column=user_column, max_samples_per_user=m, **loader_kwargs
+            )
+            expected_units = loader.users_per_batch
+        else:  # group: every record is its own sampling and clipping unit, at the users' rate q
+            q = users_per_batch / self.bounding.n_users
+            loader = UserDataLoader(
+                bounded,
+                users_per_batch=q * len(bounded),
+                user_ids=range(len(bounded)),
+                steps=int(round(1 / q)),
+                **loader_kwargs,
+            )
+            expected_units = q * len(bounded)
+        sample_rate = loader.sample_rate
+        self.accountant = type(self.accountant)(
+            relation=self.accountant.relation,
+            group_size=m if mechanism == "group" else None,
+            els=mechanism == "group" and group_accounting == "els",
+        )
+        total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, sample_rate)
+        if target_epsilon is not None:
+            noise_multiplier = calibrate_noise_multiplier(
+                lambda s: self.accountant.step_event(s, sample_rate, total_steps),
+                target_epsilon=target_epsilon,
+                target_delta=target_delta,
+                accountant=self.accountant.kind,
+                relation=self.accountant.relation,
+                group_size=self.accountant.conversion_group_size,
+                **self.accountant.options,
+            )
+
+        self._position_hook = supply_position_ids(module)
+        hooks = UserGradSampleHooks(module, force_functorch=grad_sample_mode == "functorch")
+        dp_optimizer = UserDPOptimizer(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_units,
+            hooks=hooks,
+            generator=self.secure_rng if self.secure_mode else noise_generator,
+            secure_mode=self.secure_mode,
+            self_check=self_check,
+            max_steps=total_steps if target_epsilon is not None else None,
+        )
+        dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+        loader.add_batch_callback(hooks.set_row_users)
+        self.mechanism, self.hooks, self.optimizer, self.data_loader = mechanism, hooks, dp_optimizer, loader
+        self.planned_steps = total_steps
+        return module, dp_optimizer, loader
+
+    def privacy_report(self, delta: float) -> PrivacyReport:
+        """The :class:`PrivacyReport` of what has been spent so far, at ``delta``."""
+        if self.optimizer is None:
+            raise ValueError("Call make_private_user_level first.")
+        opt = self.optimizer
+        return PrivacyReport(
+            mechanism=self.mechanism if not self.accountant.els else "group_els",
+            n_users=self.bounding.n_users,
+            max_samples_per_user=self.bounding.max_samples_per_user,
+            sample_rate=self.data_loader.sample_rate,
+            noise_multiplier=opt.noise_multiplier,
+            steps=self.planned_steps,
+            steps_taken=opt.steps_taken,
+            accountant=self.accountant.mechanism(),
+            epsilon=self.get_epsilon(delta),
+            delta=delta,
+            neighboring_relation=self.accountant.relation,
+            privacy_unit="user",
+            max_grad_norm=opt.max_grad_norm,
+            rows_dropped=self.bounding.rows_dropped,
+            extra={"expected_units_per_step": opt.expected_batch_size, "clipping_unit": "user" if self.mechanism == "user_dpsgd" else "record"},
+        )
+
+    def detach(self) -> None:
+        """Remove the hooks from the model (it trains normally afterwards)."""
+        if self.hooks is not None:
+            self.hooks.cleanup()
+        if self._position_hook is not None:
+            self._position_hook.remove()
