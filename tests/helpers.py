@@ -28,11 +28,14 @@ def make_private(model, *, users_per_batch=4, max_samples_per_user=3, lr=1.0, da
     return engine, model, optimizer, loader, reference
 
 
-def first_batch(loader, min_users=2):
-    """Iterate until a batch with at least ``min_users`` users; the hooks now hold its user map."""
+def first_batch(engine, min_users=2):
+    """Iterate until a batch with at least ``min_users`` users; the hooks now hold its user map.
+    Batches passed over are discarded explicitly (the hooks refuse a second draw otherwise)."""
+    loader = engine.data_loader
     for batch in loader:
         if len(set(loader.last_row_users.tolist())) >= min_users:
             return batch, loader.last_row_users.clone()
+        engine.hooks.set_row_users(None)
     raise AssertionError("no batch with enough users")
 
 

@@ -75,3 +75,40 @@ def btl_pair_losses(model, batch) -> torch.Tensor:
     rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
     chosen, rejected = rewards.chunk(2)
     return -torch.nn.functional.logsigmoid(chosen - rejected)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained offline on a few movie-review phrases."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the movie was great and fun", "the movie was bad and boring", "i loved the acting", "i hated the plot"]
+    tok.train_from_iterator(corpus * 50, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def tiny_llama_lm(vocab_size: int, tie: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=tie)
+    return LlamaForCausalLM(cfg)
+
+
+def text_preference_dataset(n_users=4, pairs_per_user=3, seed=0) -> Dataset:
+    rng = np.random.default_rng(seed)
+    good = ["the movie was great", "i loved the acting", "great and fun"]
+    bad = ["the movie was bad", "i hated the plot", "bad and boring"]
+    n = n_users * pairs_per_user
+    return Dataset.from_dict(
+        {
+            "prompt": ["review:"] * n,
+            "chosen": [" " + good[i] for i in rng.integers(0, 3, n)],
+            "rejected": [" " + bad[i] for i in rng.integers(0, 3, n)],
+            "user_id": [f"user{u}" for u in np.repeat(np.arange(n_users), pairs_per_user)],
+        }
+    )

@@ -30,7 +30,7 @@ from .accountants.accountant import ACCOUNTANTS_BY_NAME
 from .data import DEFAULT_USER_COLUMN, UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
 from .grad_sample import UserGradSampleHooks, check_module, supply_position_ids
-from .optimizers import UserDPOptimizer
+from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer
 from .validators import (
     check_delta,
     check_epsilon,
@@ -67,6 +67,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.optimizer: Optional[UserDPOptimizer] = None
         self.data_loader: Optional[UserDataLoader] = None
         self.planned_steps: Optional[int] = None
+        self.target: Optional[Tuple[float, float]] = None
         self._position_hook = None
 
     def make_private_user_level(
@@ -102,7 +103,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         :class:`~trl_userdp.data.UserDataLoader` over the contribution-bounded dataset (at most
         ``max_samples_per_user`` rows per user, a seeded draw). ``user_ids`` (one per row) or a
         ``user_column`` of a ``datasets.Dataset`` say who wrote each row; ``rows_per_example=2`` for
-        collators that emit ``[chosen; rejected]`` rows. The loss must be the mean over the batch's
+        collators that emit ``[chosen; rejected]`` rows, stacked in two blocks (row i and row B + i are
+        one example, as in TRL; an interleaved layout would be mis-assigned and is not detectable).
+        Every batch the loader yields must be used by one ``optimizer.step()``. The loss must be the mean over the batch's
         rows; each user counts as the average of its rows. Returns the model itself (hooks attached),
         the :class:`~trl_userdp.optimizers.UserDPOptimizer` and the loader. One epoch is
         ``round(1/q)`` steps.
@@ -157,16 +160,26 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 bounded,
                 users_per_batch=q * len(bounded),
                 user_ids=range(len(bounded)),
+                user_column=user_column,
                 steps=int(round(1 / q)),
                 **loader_kwargs,
             )
             expected_units = q * len(bounded)
         sample_rate = loader.sample_rate
-        self.accountant = type(self.accountant)(
-            relation=self.accountant.relation,
+        previous = self.accountant
+        self.accountant = type(previous)(
+            relation=previous.relation,
             group_size=m if mechanism == "group" else None,
             els=mechanism == "group" and group_accounting == "els",
         )
+        if not self.accountant.supports_relation(sample_rate):
+            raise ValueError(
+                f"The {self.accountant.kind} accountant cannot account this mechanism under the "
+                f"{previous.relation!r} relation; use PrivacyEngine(accountant='pld')."
+            )
+        if previous.history:  # e.g. a checkpoint loaded before make_private_user_level: keep counting
+            warnings.warn("The engine's accountant already has steps; they stay in the budget.")
+            self.accountant.history = list(previous.history)
         total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, sample_rate)
         if target_epsilon is not None:
             noise_multiplier = calibrate_noise_multiplier(
@@ -190,13 +203,36 @@ class PrivacyEngine(opacus.PrivacyEngine):
             generator=self.secure_rng if self.secure_mode else noise_generator,
             secure_mode=self.secure_mode,
             self_check=self_check,
-            max_steps=total_steps if target_epsilon is not None else None,
+            budget_guard=self._check_budget if target_epsilon is not None else None,
         )
         dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
         loader.add_batch_callback(hooks.set_row_users)
         self.mechanism, self.hooks, self.optimizer, self.data_loader = mechanism, hooks, dp_optimizer, loader
         self.planned_steps = total_steps
+        self.target = None if target_epsilon is None else (target_epsilon, target_delta)
         return module, dp_optimizer, loader
+
+    def _check_budget(self) -> None:
+        """Budget guard, read from the accountant (so it survives checkpoint resumes): refuse a step
+        that would take ε past ``target_epsilon``. With one (σ, q) throughout, that is any step after
+        the T the noise was calibrated for; otherwise ε of the history plus one step is computed."""
+        opt = self.optimizer
+        eps, delta = self.target
+        step = (opt.noise_multiplier, self.data_loader.sample_rate)
+        history = self.accountant.history
+        if all((s, q) == step for s, q, _ in history):
+            allowed = self.accountant.steps_taken < self.planned_steps
+        else:
+            trial = type(self.accountant)(relation=self.accountant.relation, group_size=self.accountant.group_size,
+                                          els=self.accountant.els)
+            trial.history = list(history)
+            trial.step(noise_multiplier=step[0], sample_rate=step[1])
+            allowed = trial.get_epsilon(delta) <= eps
+        if not allowed:
+            raise PrivacyBudgetExhausted(
+                f"Another step would take ε past target_epsilon={eps} (δ={delta}); "
+                f"{self.accountant.steps_taken} steps are already accounted. Stop training here."
+            )
 
     def privacy_report(self, delta: float) -> PrivacyReport:
         """The :class:`PrivacyReport` of what has been spent so far, at ``delta``."""
@@ -210,7 +246,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             sample_rate=self.data_loader.sample_rate,
             noise_multiplier=opt.noise_multiplier,
             steps=self.planned_steps,
-            steps_taken=opt.steps_taken,
+            steps_taken=self.accountant.steps_taken,
             accountant=self.accountant.mechanism(),
             epsilon=self.get_epsilon(delta),
             delta=delta,

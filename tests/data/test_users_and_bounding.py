@@ -73,3 +73,16 @@ def test_bad_user_ids_raise_before_any_work(make, kwargs, match):
 def test_bad_bound_raises(m):
     with pytest.raises(ValueError, match="max_samples_per_user"):
         bound_contributions(_hf(), m)
+
+
+def test_a_users_kept_rows_do_not_depend_on_other_users():
+    """Bounding neighbouring datasets (one user removed) must change that user's rows only."""
+    rng = np.random.default_rng(0)
+    users = rng.integers(0, 50, 1000)
+    full = Dataset.from_dict({"x": list(range(1000)), "user_id": users.tolist()})
+    without_0 = full.filter(lambda r: r["user_id"] != 0)
+    a, _ = bound_contributions(full, 3, seed=5)
+    b, _ = bound_contributions(without_0, 3, seed=5)
+    kept_a = {(u, x) for u, x in zip(a["user_id"], a["x"]) if u != 0}
+    kept_b = set(zip(b["user_id"], b["x"]))
+    assert kept_a == kept_b

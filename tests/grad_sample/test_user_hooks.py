@@ -10,7 +10,7 @@ from ..tiny_models import MODELS, btl_pair_losses
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_per_user_gradients_equal_a_per_user_autograd_loop(name):
     engine, model, optimizer, loader, reference = make_private(MODELS[name]())
-    batch, row_users = first_batch(loader)
+    batch, row_users = first_batch(engine)
     btl_pair_losses(model, batch).mean().backward()
     grads = optimizer.unit_gradients()  # also runs the start-up self-check against autograd
     names = [engine.hooks.param_names[p] for p in optimizer.params]
@@ -23,13 +23,13 @@ def test_per_user_gradients_equal_a_per_user_autograd_loop(name):
 
 def test_micro_batches_of_one_step_merge_per_user():
     engine, model, optimizer, loader, reference = make_private(MODELS["llama"]())
-    batch, row_users = first_batch(loader, min_users=3)
+    batch, row_users = first_batch(engine, min_users=3)
     by_user = pairs_by_user(row_users)
     b = len(row_users) // 2
     halves = [list(range(0, b // 2)), list(range(b // 2, b))]
     for half in halves:  # the same user may sit in both halves
         sub = sub_batch(batch, half)
-        engine.hooks.set_row_users(torch.cat([row_users[half], row_users[half]]))
+        engine.hooks.set_row_users(torch.cat([row_users[half], row_users[half]]), continuation=True)
         btl_pair_losses(model, sub).mean().backward()
     grads = optimizer.unit_gradients()
     for slot, user in enumerate(engine.hooks.unit_ids):

@@ -15,7 +15,7 @@ from ..tiny_models import MODELS, btl_pair_losses
 def test_noiseless_unclipped_step_equals_plain_training_on_the_mean_of_user_means(name):
     ñ = 4.0
     engine, model, optimizer, loader, reference = make_private(MODELS[name](), users_per_batch=ñ)
-    batch, row_users = first_batch(loader)
+    batch, row_users = first_batch(engine)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     btl_pair_losses(model, batch).mean().backward()
     optimizer.step()  # SGD, lr = 1
@@ -31,6 +31,7 @@ def test_noiseless_unclipped_step_equals_plain_training_on_the_mean_of_user_mean
 def _pre_noise_update(engine, optimizer, model, batch, row_users, weights):
     """p.grad after clipping and scaling, σ = 0 (the update before noise), as one flat vector."""
     optimizer.zero_grad()
+    engine.hooks.set_row_users(None)  # replace whatever batch is pending by this one
     engine.hooks.set_row_users(row_users)
     (btl_pair_losses(model, batch) * weights).mean().backward()
     optimizer.pre_step()
@@ -55,6 +56,7 @@ def test_an_adversarial_user_moves_the_update_by_at_most_its_sensitivity(mechani
         users = [user_of(int(c)) for c in units]
         if len(set(users)) >= 2 and users.count(users[0]) >= 2:
             break
+        engine.hooks.set_row_users(None)
     row_users = loader.last_row_users.clone()
     adversary = users[0]
     mask = torch.tensor([u == adversary for u in users])

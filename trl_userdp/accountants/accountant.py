@@ -77,6 +77,18 @@ class DPAccountingAccountant(IAccountant):
     def __len__(self) -> int:
         return len(self.history)
 
+    @property
+    def steps_taken(self) -> int:
+        """Steps accounted so far (empty steps included)."""
+        return sum(n for _, _, n in self.history)
+
+    def supports_relation(self, sample_rate: float) -> bool:
+        """Whether dp-accounting can account this accountant's steps under its relation."""
+        from .analysis import make_accountant
+
+        probe = make_accountant(self.kind, self.relation, self.conversion_group_size, **self.options)
+        return probe.supports(self.step_event(1.0, sample_rate, 1))
+
     @classmethod
     def mechanism(cls) -> str:
         return f"dp_{cls.kind}"

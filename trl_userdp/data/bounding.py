@@ -4,6 +4,7 @@ by a seeded uniform draw. Without this bound no user-level guarantee holds."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
@@ -42,7 +43,7 @@ def bound_contributions(
     user_ids: Optional[Sequence[Any]] = None,
     seed: Optional[int] = 0,
 ) -> Tuple[Any, BoundingReport]:
-    """Keep at most ``max_samples_per_user`` rows per user (uniformly at random, seeded).
+    """Keep at most ``max_samples_per_user`` rows per user (uniformly at random, seeded per user).
 
     Returns the bounded dataset, in the original row order, and a :class:`BoundingReport`.
     A ``datasets.Dataset`` comes back as a ``datasets.Dataset`` (its user column rides along); any
@@ -66,7 +67,18 @@ def bound_contributions(
     return UserSubset(dataset, kept.tolist(), index.keys[index.codes[kept]].tolist()), report
 
 
+def _user_rng(seed: Optional[int], key: Any) -> np.random.Generator:
+    """A generator for one user, keyed by the user's id: adding or removing another user leaves this
+    user's draw unchanged, so bounded neighbouring datasets still differ in one user only."""
+    if seed is None:
+        return np.random.default_rng()
+    digest = hashlib.sha256(repr(key).encode()).digest()
+    return np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
+
+
 def _draw_rows(index: UserIndex, m: int, seed: Optional[int]) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    kept = [rows if len(rows) <= m else rng.choice(rows, size=m, replace=False) for rows in index.rows]
+    kept = [
+        rows if len(rows) <= m else np.sort(_user_rng(seed, key).choice(rows, size=m, replace=False))
+        for key, rows in zip(index.keys.tolist(), index.rows)
+    ]
     return np.sort(np.concatenate(kept))

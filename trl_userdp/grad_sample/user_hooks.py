@@ -40,13 +40,33 @@ class UserGradSampleHooks(GradSampleHooks):
         self.reset_step()
 
     # -- the row -> unit map -------------------------------------------------------------
-    def set_row_users(self, row_users: Optional[torch.Tensor]) -> None:
-        """The unit code of each row of the next batch (LongTensor [R])."""
-        self._pending = None if row_users is None else torch.as_tensor(row_users, dtype=torch.long)
+    def set_row_users(self, row_users: Optional[torch.Tensor], *, continuation: bool = False) -> None:
+        """The unit code of each row of the next batch (LongTensor [R]).
+
+        Every batch the loader draws must be used by one ``optimizer.step()`` before the next is
+        drawn: a second draw before the step would merge two Poisson draws into one accounted step,
+        and a loader wrapper that reads ahead would pair a batch with the next batch's users. Both
+        raise here. ``continuation=True`` declares another piece (micro-batch) of the batch already
+        drawn for this step; ``None`` discards the pending batch unused.
+        """
+        if row_users is not None:
+            if continuation and self._pending is None:
+                raise ValueError("continuation=True needs a batch drawn for this step first.")
+            if not continuation and self._pending is not None:
+                raise ValueError(
+                    "The loader drew a new batch before optimizer.step() used the previous one. Call "
+                    "optimizer.step() once per batch (also for empty ones), and iterate the loader returned by "
+                    "make_private_user_level directly: wrappers that read ahead (prefetchers, accelerate.prepare) "
+                    "would pair a batch with another batch's users, and merging draws breaks the accounting."
+                )
+            row_users = torch.as_tensor(row_users, dtype=torch.long)
+        self._pending = row_users
         self._serial += 1
 
-    def reset_step(self) -> None:
-        """Forget the per-unit sums of the current step (called after every optimizer step)."""
+    def reset_step(self, clear_pending: bool = True) -> None:
+        """Forget the per-unit sums of the current step; ``clear_pending`` also forgets the drawn
+        batch (after ``optimizer.step()``; ``zero_grad()`` keeps it, as it runs between the draw and
+        the backward pass)."""
         self.unit_ids: List[int] = []
         self._slot_of: Dict[int, int] = {}
         self.unit_counts = torch.zeros(0)
@@ -54,6 +74,8 @@ class UserGradSampleHooks(GradSampleHooks):
         self.micro_batches = 0
         self._counted_serial: Optional[int] = None
         self._row_slots: Optional[torch.Tensor] = None
+        if clear_pending:
+            self._pending = None
         for p in self.param_names:
             p.grad_sample = None
             for attr in ("_unit_grad", "_row_norm_sum"):

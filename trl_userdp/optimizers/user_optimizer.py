@@ -17,7 +17,7 @@ from ..grad_sample import UserGradSampleHooks
 
 
 class PrivacyBudgetExhausted(RuntimeError):
-    """Raised instead of a step that would exceed the planned privacy budget."""
+    """Raised instead of a step that would exceed the privacy budget."""
 
 
 class UserDPOptimizer(DPOptimizer):
@@ -32,7 +32,8 @@ class UserDPOptimizer(DPOptimizer):
         hooks: the :class:`UserGradSampleHooks` attached to the model.
         self_check: on the first non-empty single-batch step, check that the per-unit gradients
             add up to autograd's gradient (``p.grad = Σ_u S_u / R``) and refuse to train if not.
-        max_steps: refuse to take more steps than this (the budget guard).
+        budget_guard: called before every step; raises :class:`PrivacyBudgetExhausted` if the step
+            would exceed the budget (the engine installs one that reads its accountant).
     """
 
     def __init__(
@@ -46,7 +47,7 @@ class UserDPOptimizer(DPOptimizer):
         generator: Optional[torch.Generator] = None,
         secure_mode: bool = False,
         self_check: bool = True,
-        max_steps: Optional[int] = None,
+        budget_guard: Optional[Callable[[], None]] = None,
     ):
         super().__init__(
             optimizer,
@@ -59,8 +60,7 @@ class UserDPOptimizer(DPOptimizer):
         )
         self.hooks = hooks
         self.self_check = hooks.record_row_norms = self_check
-        self.max_steps = max_steps
-        self.steps_taken = 0
+        self.budget_guard = budget_guard
 
     @property
     def accumulated_iterations(self) -> int:
@@ -122,21 +122,17 @@ class UserDPOptimizer(DPOptimizer):
         return super().pre_step(closure)
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        if self.max_steps is not None and self.steps_taken >= self.max_steps:
-            raise PrivacyBudgetExhausted(
-                f"All {self.max_steps} steps the privacy budget allows have been taken; another step would "
-                "exceed target_epsilon. Stop training (or plan more steps with a larger budget)."
-            )
+        """One private step; it uses up the batch the loader drew, whatever happens."""
         try:
-            result = super().step(closure)
-            self.steps_taken += 1
-            return result
+            if self.budget_guard is not None:
+                self.budget_guard()
+            return super().step(closure)
         finally:
             for p in self.params:
                 p.grad_sample = None
                 p.summed_grad = None
-            self.hooks.reset_step()
+            self.hooks.reset_step(clear_pending=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self.hooks.reset_step()
+        self.hooks.reset_step(clear_pending=False)

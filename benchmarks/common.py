@@ -1,0 +1,50 @@
+"""Helpers shared by the benchmark scripts: confidence intervals, tables, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from typing import Dict, Iterable, List, Sequence
+
+import numpy as np
+from scipy import stats
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def mean_ci(values: Sequence[float], level: float = 0.95) -> Dict[str, float]:
+    """Mean and a Student-t confidence interval."""
+    v = np.asarray(values, dtype=float)
+    mean = float(v.mean())
+    half = float(stats.t.ppf(0.5 + level / 2, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(v)}
+
+
+def fmt(ci: Dict[str, float], digits: int = 3) -> str:
+    return f"{ci['mean']:.{digits}f} ± {(ci['hi'] - ci['mean']):.{digits}f}"
+
+
+def print_table(header: List[str], rows: Iterable[List[str]]) -> str:
+    rows = [list(map(str, r)) for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = [" | ".join(h.rjust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
+    lines += [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def write_results(name: str, payload: dict, out_dir: str = RESULTS_DIR) -> str:
+    """Write ``<name>.json`` with the payload, the command line, and the machine."""
+    os.makedirs(out_dir, exist_ok=True)
+    payload = dict(payload)
+    payload["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
+    payload["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    payload["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return path

@@ -1,0 +1,24 @@
+"""The benchmark scripts run end to end in a tiny setting (the real runs are opt-in, see benchmarks/README.md)."""
+
+import json
+import math
+import os
+
+from benchmarks import chowdhury_simulation, corruption_separation
+
+
+def test_chowdhury_simulation_writes_a_table_and_results(tmp_path):
+    out = chowdhury_simulation.main(["--reps", "3", "--ns", "300", "600", "--epsilons", "1.0", "--out", str(tmp_path)])
+    cell = out["results"]["1.0|600|non-private MLE"]
+    assert cell["n"] == 3 and cell["lo"] <= cell["mean"] <= cell["hi"]
+    saved = json.load(open(tmp_path / "chowdhury_simulation.json"))
+    assert "command" in saved and set(saved["ordering_holds"]) == {"1.0|300", "1.0|600"}
+    assert os.path.exists(tmp_path / "chowdhury_simulation.png")
+
+
+def test_corruption_separation_reports_the_bias_ratio(tmp_path):
+    out = corruption_separation.main(["--reps", "2", "--n", "2000", "--alphas", "0", "0.05", "--epsilons", "3",
+                                      "--out", str(tmp_path), "--adversary", "random"])
+    ratio = out["bias_ratio"]["3.0|0.05"]
+    assert math.isnan(ratio) or ratio > 0
+    assert os.path.exists(tmp_path / "corruption_separation.json")

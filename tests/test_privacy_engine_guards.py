@@ -1,0 +1,113 @@
+"""One draw per step, a row map that cannot go stale, and a budget guard that reads the accountant
+(regressions from the first review: /tmp/review findings 1, 2, 4, 5)."""
+
+import itertools
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import trl_userdp
+
+
+def _setup(engine=None, **kw):
+    torch.manual_seed(0)
+    x = torch.randn(60, 5)
+    model = nn.Linear(5, 1)
+    engine = engine or trl_userdp.PrivacyEngine(accountant="rdp")
+    if "target_epsilon" not in kw:
+        kw["noise_multiplier"] = 1.0
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(TensorDataset(x)),
+        max_grad_norm=1.0, max_samples_per_user=3, users_per_batch=4.0, user_ids=[i // 3 for i in range(60)],
+        sampling_seed=0, **kw,
+    )
+    return engine, model, optimizer, loader
+
+
+def _loss(model, batch):
+    (x,) = batch
+    return model(x).pow(2).mean()
+
+
+def test_two_draws_cannot_merge_into_one_step():
+    engine, model, optimizer, loader = _setup()
+    it = iter(loader)
+    _loss(model, next(it)).backward()
+    with pytest.raises(ValueError, match="drew a new batch before optimizer.step"):
+        next(it)
+
+
+def test_a_loader_wrapper_that_reads_ahead_is_refused():
+    engine, model, optimizer, loader = _setup()
+
+    def prefetch(iterable):  # yields batch t after fetching batch t + 1
+        it = iter(iterable)
+        current = next(it)
+        for upcoming in it:
+            yield current
+            current = upcoming
+        yield current
+
+    with pytest.raises(ValueError, match="read ahead"):
+        for batch in prefetch(loader):
+            optimizer.zero_grad(); _loss(model, batch).backward(); optimizer.step()  # noqa: E702
+
+
+def test_a_batch_not_drawn_by_the_loader_has_no_user_map_after_a_step():
+    engine, model, optimizer, loader = _setup()
+    batch = next(b for b in loader if len(b[0]) > 0)
+    _loss(model, batch).backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="No row -> user map"):
+        _loss(model, batch).backward()  # reusing the old batch (and its map) without a new draw
+
+
+def test_budget_guard_survives_a_checkpoint_resume(tmp_path):
+    target, steps = 2.0, 10
+
+    def run(engine, model, optimizer, loader, n):
+        for batch in itertools.islice(itertools.chain.from_iterable(itertools.repeat(loader)), n):
+            optimizer.zero_grad(); _loss(model, batch).backward(); optimizer.step()  # noqa: E702
+
+    engine, model, optimizer, loader = _setup(target_epsilon=target, target_delta=1e-5, steps=steps)
+    run(engine, model, optimizer, loader, 6)
+    path = os.path.join(tmp_path, "ckpt.pt")
+    engine.save_checkpoint(path=path, module=model, optimizer=optimizer)
+    engine2, model2, optimizer2, loader2 = _setup(target_epsilon=target, target_delta=1e-5, steps=steps)
+    engine2.load_checkpoint(path=path, module=model2, optimizer=optimizer2)
+    assert engine2.accountant.steps_taken == 6
+    run(engine2, model2, optimizer2, loader2, 4)
+    with pytest.raises(trl_userdp.PrivacyBudgetExhausted):
+        run(engine2, model2, optimizer2, loader2, 1)
+    assert engine2.accountant.steps_taken == steps and engine2.get_epsilon(1e-5) <= target
+
+
+def test_guard_and_accountant_agree_when_the_wrapped_step_fails():
+    engine, model, optimizer, loader = _setup(target_epsilon=2.0, target_delta=1e-5, steps=5)
+    real, calls = optimizer.original_optimizer.step, {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("transient")
+        return real(*args, **kwargs)
+
+    optimizer.original_optimizer.step = flaky
+    with pytest.raises(trl_userdp.PrivacyBudgetExhausted):
+        for batch in itertools.chain.from_iterable(itertools.repeat(loader, 10)):
+            optimizer.zero_grad()
+            _loss(model, batch).backward()
+            try:
+                optimizer.step()
+            except RuntimeError as err:
+                if "transient" not in str(err):
+                    raise
+    assert engine.accountant.steps_taken == 5 and engine.get_epsilon(1e-5) <= 2.0
+
+
+def test_an_accountant_that_cannot_handle_the_relation_fails_before_training():
+    with pytest.raises(ValueError, match="accountant='pld'"):
+        _setup(engine=trl_userdp.PrivacyEngine(accountant="rdp", neighboring_relation="replace"))

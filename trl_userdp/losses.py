@@ -1,0 +1,140 @@
+"""Losses for labels privatized by randomized response (SPEC §3).
+
+All take margins in the *observed* orientation: ``z = r(chosen) − r(rejected)`` for a reward model,
+or the DPO implicit-reward margin ``β·Δ``, where "chosen" is the response the (privatized) label
+prefers. Each returns a reduced loss (``reduction="mean" | "sum" | "none"``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .validators import check_epsilon
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss
+
+
+def _check_reduction(reduction: str) -> str:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+    return reduction
+
+
+def flip_rate_from_epsilon(epsilon: float) -> float:
+    """Binary randomized response at ε flips a label with probability ``1 − σ(ε) = σ(−ε)``."""
+    check_epsilon(epsilon, "epsilon")
+    return 1.0 / (1.0 + math.exp(epsilon)) if epsilon < 700 else 0.0
+
+
+class BTLLoss(nn.Module):
+    """Bradley–Terry negative log-likelihood, ``softplus(−z)`` per pair (the non-private loss)."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = _check_reduction(reduction)
+
+    def forward(self, margin: torch.Tensor) -> torch.Tensor:
+        return _reduce(F.softplus(-margin), self.reduction)
+
+
+class RRDebiasedRewardLoss(nn.Module):
+    """De-biased reward loss for RR labels (Chowdhury et al. 2024 eq. 4–5; AUP-RLHF App. B.2).
+
+    With ``s = σ(ε')`` and ``u = 2ỹ − 1`` (``u = +1`` in the observed orientation):
+    ``loss = (2s − 1)·softplus(−u z) − (1 − s)·u z``. It is convex in ``z`` for every ε' > 0, can be
+    negative, and its gradient is ``(2s − 1)(σ(z) − ȳ)`` with the de-biased label
+    ``ȳ = (ỹ − (1 − s))/(2s − 1)``, whose expectation over RR is the clean label. ``normalize=True``
+    divides by ``2s − 1``: the gradient is then an unbiased estimate of the clean BTL gradient.
+
+    Args:
+        epsilon: the *per-label* RR parameter ε' (ε/m for user-level RR; see
+            :attr:`trl_userdp.mechanisms.UserRandomizedResponse.epsilon_per_label`).
+    """
+
+    def __init__(self, epsilon: float, normalize: bool = False, reduction: str = "mean"):
+        super().__init__()
+        self.epsilon = check_epsilon(epsilon, "epsilon")
+        self.keep = 1.0 - flip_rate_from_epsilon(epsilon)  # s = σ(ε')
+        self.normalize = normalize
+        self.reduction = _check_reduction(reduction)
+
+    def forward(self, margin: torch.Tensor, observed_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``observed_labels`` (ỹ ∈ {0, 1}, 1 = the first response preferred) if the margins are not
+        already oriented by the observed label."""
+        u = 1.0 if observed_labels is None else 2.0 * observed_labels.to(margin.dtype) - 1.0
+        s = self.keep
+        loss = (2 * s - 1) * F.softplus(-u * margin) - (1 - s) * u * margin
+        if self.normalize:
+            loss = loss / (2 * s - 1)
+        return _reduce(loss, self.reduction)
+
+
+class RobustDPOLoss(nn.Module):
+    """rDPO (Chowdhury et al. 2024; Zhou et al. eq. 16) for labels flipped at rate ρ:
+    ``[−(1 − ρ)·log σ(m) + ρ·log σ(−m)] / (1 − 2ρ)`` on the implicit-reward margin ``m = β·Δ``.
+
+    Equal to TRL's ``loss_type="robust"`` with ``label_smoothing=ρ``; plain DPO at ρ = 0. Give exactly
+    one of ``flip_rate`` (ρ ∈ [0, 1/2)) or ``epsilon`` (the per-label RR ε', so ρ = σ(−ε')).
+    Zhou et al.: the same loss serves corruption-then-privacy and privacy-then-corruption; it needs
+    neither the corruption rate nor the order.
+    """
+
+    def __init__(self, flip_rate: Optional[float] = None, epsilon: Optional[float] = None, reduction: str = "mean"):
+        super().__init__()
+        if (flip_rate is None) == (epsilon is None):
+            raise ValueError("Give exactly one of `flip_rate` or `epsilon`.")
+        rho = flip_rate_from_epsilon(epsilon) if flip_rate is None else float(flip_rate)
+        if not 0.0 <= rho < 0.5:
+            raise ValueError(
+                f"flip_rate must lie in [0, 1/2), got {rho!r}: at 1/2 the labels carry no information (ε = 0)."
+            )
+        self.flip_rate = rho
+        self.reduction = _check_reduction(reduction)
+
+    def forward(self, margin: torch.Tensor) -> torch.Tensor:
+        rho = self.flip_rate
+        loss = (-(1 - rho) * F.logsigmoid(margin) + rho * F.logsigmoid(-margin)) / (1 - 2 * rho)
+        return _reduce(loss, self.reduction)
+
+
+class PlackettLuceLoss(nn.Module):
+    """Top-1 Plackett–Luce loss over K responses (AUP-RLHF App. B.3): ``−log softmax(scores)[y]``.
+
+    With ``epsilon`` (the per-label K-RR parameter ε'), the K-RR de-biased form of Chowdhury et al.
+    §C.4: ``−log p_ỹ + (1/(e^ε' + K − 1))·Σ_k log p_k``, whose gradient has expectation
+    ``(e^ε' − 1)/(e^ε' + K − 1)`` times the clean one; ``normalize=True`` divides by that factor
+    (unbiased). For K = 2 it is :class:`BTLLoss` / :class:`RRDebiasedRewardLoss`.
+    """
+
+    def __init__(self, epsilon: Optional[float] = None, normalize: bool = False, reduction: str = "mean"):
+        super().__init__()
+        self.epsilon = None if epsilon is None else check_epsilon(epsilon, "epsilon")
+        self.normalize = normalize
+        self.reduction = _check_reduction(reduction)
+
+    def forward(self, scores: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+        """``scores``: [B, K]; ``observed``: [B] index of the (privatized) top response."""
+        if scores.dim() != 2 or scores.shape[1] < 2:
+            raise ValueError(f"scores must have shape [B, K] with K >= 2, got {tuple(scores.shape)}.")
+        logp = F.log_softmax(scores, dim=-1)
+        loss = -logp.gather(1, observed.long().view(-1, 1)).squeeze(1)
+        if self.epsilon is not None:
+            k = scores.shape[1]
+            e = math.exp(min(self.epsilon, 700.0))
+            loss = loss + logp.sum(dim=1) / (e + k - 1)
+            if self.normalize:
+                loss = loss * (e + k - 1) / (e - 1)
+        return _reduce(loss, self.reduction)

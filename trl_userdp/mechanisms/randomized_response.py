@@ -1,0 +1,142 @@
+"""User-level randomized response (SPEC §2 M3; AUP-RLHF §4.1; Chowdhury et al. 2024).
+
+Each user's labels (at most ``m`` after contribution bounding) are each randomized once with
+``ε' = ε/m``, so the user's m labels together are ε-DP by basic composition — pure ε, δ = 0, under
+the replace-one-user relation. **Labels only**: prompts and responses are released as they are;
+this mechanism protects who preferred what, not the texts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from ..accountants import PrivacyReport
+from ..data import DEFAULT_USER_COLUMN, bound_contributions
+from ..losses import flip_rate_from_epsilon
+from ..validators import check_epsilon, check_max_samples_per_user
+
+#: Column added to a privatized dataset: the per-label ε' it was privatized with. Its presence marks
+#: the dataset as privatized (privatizing twice is refused), and trainers read it to set the loss.
+PRIVATIZED_COLUMN = "rr_epsilon_per_label"
+
+
+class UserRandomizedResponse:
+    """Privatize the labels of a user-grouped dataset once.
+
+    Binary preference data (``chosen``/``rejected`` columns): a flipped label swaps the two.
+    K-wise data (``label_column`` holding an index in ``[0, K)``): the label is kept with probability
+    ``e^ε'/(e^ε' + K − 1)`` and moved to each other index with probability ``1/(e^ε' + K − 1)``.
+
+    Args:
+        epsilon: the user-level budget ε (> 0).
+        max_samples_per_user: m, the contribution bound (rows beyond it are dropped first).
+        num_choices: K (2 for pairwise preferences).
+        seed: seeds the bounding draw and the flips (None: fresh OS entropy).
+    """
+
+    def __init__(self, epsilon: float, max_samples_per_user: int, num_choices: int = 2, seed: Optional[int] = None):
+        self.epsilon = check_epsilon(epsilon, "epsilon")
+        self.max_samples_per_user = check_max_samples_per_user(max_samples_per_user)
+        if isinstance(num_choices, bool) or not isinstance(num_choices, int) or num_choices < 2:
+            raise ValueError(f"num_choices must be an integer >= 2, got {num_choices!r}.")
+        self.num_choices = num_choices
+        self.seed = seed
+
+    @property
+    def epsilon_per_label(self) -> float:
+        """ε' = ε/m: what each label gets, and what the de-biased losses take as ``epsilon``."""
+        return self.epsilon / self.max_samples_per_user
+
+    @property
+    def keep_probability(self) -> float:
+        e = math.exp(min(self.epsilon_per_label, 700.0))
+        return e / (e + self.num_choices - 1)
+
+    @property
+    def flip_rate(self) -> float:
+        """Binary case: probability a label is flipped, ``1 − σ(ε/m)`` (rDPO's ρ)."""
+        if self.num_choices != 2:
+            raise ValueError("flip_rate is defined for binary labels; use keep_probability for K > 2.")
+        return flip_rate_from_epsilon(self.epsilon_per_label)
+
+    def privatize_labels(self, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """K-RR on an array of label indices in ``[0, K)``."""
+        labels = np.asarray(labels)
+        if labels.size and (labels.min() < 0 or labels.max() >= self.num_choices or not np.issubdtype(labels.dtype, np.integer)):
+            raise ValueError(f"labels must be integers in [0, {self.num_choices}), got values in [{labels.min()}, {labels.max()}].")
+        move = rng.random(labels.shape) >= self.keep_probability
+        # a moved label goes uniformly to one of the K − 1 other values
+        shift = rng.integers(1, self.num_choices, labels.shape)
+        return np.where(move, (labels + shift) % self.num_choices, labels)
+
+    def privatize(
+        self,
+        dataset: Any,
+        *,
+        user_column: str = DEFAULT_USER_COLUMN,
+        label_column: Optional[str] = None,
+        chosen_column: str = "chosen",
+        rejected_column: str = "rejected",
+    ) -> Tuple[Any, PrivacyReport]:
+        """Bound each user to m rows, randomize every label once, and report the guarantee.
+
+        ``dataset`` is a ``datasets.Dataset`` with a user column and either a ``label_column`` or
+        ``chosen``/``rejected`` columns (swapped where the label flips). Returns the privatized
+        dataset (with the :data:`PRIVATIZED_COLUMN` marker) and a :class:`PrivacyReport`.
+        """
+        if PRIVATIZED_COLUMN in getattr(dataset, "column_names", ()):
+            raise ValueError(
+                "This dataset's labels were already privatized by randomized response; privatizing again would "
+                "waste budget (and drawing fresh flips for the same labels would leak)."
+            )
+        if label_column is None:
+            if self.num_choices != 2:
+                raise ValueError("K-wise randomized response needs `label_column` (the index of the preferred response).")
+            missing = [c for c in (chosen_column, rejected_column) if c not in dataset.column_names]
+            if missing:
+                raise ValueError(f"The dataset has no {missing} column(s); pass `label_column` or the column names.")
+        elif label_column not in dataset.column_names:
+            raise ValueError(f"The dataset has no label column {label_column!r} (columns: {dataset.column_names}).")
+        bounded, bounding = bound_contributions(dataset, self.max_samples_per_user, user_column=user_column, seed=self.seed)
+        rng = np.random.default_rng(None if self.seed is None else [self.seed, 1])
+        if label_column is not None:
+            labels = np.asarray(bounded[label_column])
+            if np.issubdtype(labels.dtype, np.floating) and np.isnan(labels).any():
+                raise ValueError(f"Column {label_column!r} has missing (NaN) labels.")
+            new = self.privatize_labels(labels.astype(np.int64) if np.issubdtype(labels.dtype, np.floating) else labels, rng)
+            changed = int((new != labels).sum())
+            bounded = bounded.remove_columns(label_column).add_column(label_column, new.tolist())
+        else:
+            flip = self.privatize_labels(np.zeros(len(bounded), dtype=np.int64), rng) == 1
+            changed = int(flip.sum())
+            chosen, rejected = list(bounded[chosen_column]), list(bounded[rejected_column])
+            new_chosen = [r if f else c for c, r, f in zip(chosen, rejected, flip)]
+            new_rejected = [c if f else r for c, r, f in zip(chosen, rejected, flip)]
+            bounded = bounded.remove_columns([chosen_column, rejected_column])
+            bounded = bounded.add_column(chosen_column, new_chosen).add_column(rejected_column, new_rejected)
+        bounded = bounded.add_column(PRIVATIZED_COLUMN, [self.epsilon_per_label] * len(bounded))
+        report = PrivacyReport(
+            mechanism="randomized_response",
+            n_users=bounding.n_users,
+            max_samples_per_user=self.max_samples_per_user,
+            sample_rate=None,
+            noise_multiplier=None,
+            steps=None,
+            steps_taken=0,
+            accountant="basic composition (pure ε)",
+            epsilon=self.epsilon,
+            delta=0.0,
+            neighboring_relation="replace",
+            rows_dropped=bounding.rows_dropped,
+            extra={
+                "epsilon_per_label": self.epsilon_per_label,
+                "num_choices": self.num_choices,
+                "keep_probability": self.keep_probability,
+                "labels_changed": changed,
+                "protects": "labels only",
+            },
+        )
+        return bounded, report
