@@ -67,7 +67,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.optimizer: Optional[UserDPOptimizer] = None
         self.data_loader: Optional[UserDataLoader] = None
         self.planned_steps: Optional[int] = None
-        self.target: Optional[Tuple[float, float]] = None
+        #: (ε, δ) the accountant may reach; the budget guard refuses steps beyond it
+        self.budget: Optional[Tuple[float, float]] = None
         self._position_hook = None
 
     def make_private_user_level(
@@ -114,86 +115,30 @@ class PrivacyEngine(opacus.PrivacyEngine):
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}.")
         if group_accounting not in GROUP_ACCOUNTING:
             raise ValueError(f"group_accounting must be one of {GROUP_ACCOUNTING}, got {group_accounting!r}.")
-        if grad_sample_mode not in ("hooks", "functorch"):
-            raise ValueError(
-                "grad_sample_mode must be 'hooks' or 'functorch': per-user averages need per-sample "
-                f"gradients, which ghost clipping does not produce (got {grad_sample_mode!r})."
-            )
-        if self.hooks is not None:
-            raise ValueError("This engine already made a model private; create a new PrivacyEngine.")
-        m = check_max_samples_per_user(max_samples_per_user)
         check_positive(max_grad_norm, "max_grad_norm")
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("Give exactly one of `noise_multiplier` or `target_epsilon` (with `target_delta`).")
-        if target_epsilon is not None:
-            check_epsilon(target_epsilon)
-            check_delta(target_delta)
-            if epochs is None and steps is None:
-                raise ValueError("With target_epsilon, give `epochs` or `steps`: σ depends on how long you train.")
-        else:
+        if target_epsilon is None:
             check_noise_multiplier(noise_multiplier)
+        else:
+            self._check_target(target_epsilon, target_delta, epochs, steps)
         if mechanism == "group" and group_accounting == "els" and self.accountant.kind != "pld":
             raise ValueError("ELS accounting needs the PLD accountant: PrivacyEngine(accountant='pld').")
-        model_params = set(module.parameters())
-        if any(p not in model_params for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)):
-            raise ValueError("Module parameters are different than optimizer parameters.")
-        check_module(module)
+        m = self._check_model(module, optimizer, grad_sample_mode, max_samples_per_user)
 
-        bounded, self.bounding = bound_contributions(
-            data_loader.dataset, m, user_column=user_column, user_ids=user_ids, seed=bounding_seed
+        loader, expected_units = self._make_loader(
+            data_loader, mechanism, m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
+            sampling_seed,
         )
-        loader_kwargs = dict(
-            collate_fn=data_loader.collate_fn,
-            num_workers=data_loader.num_workers,
-            pin_memory=data_loader.pin_memory,
-            rows_per_example=rows_per_example,
-            seed=sampling_seed,
-        )
-        if mechanism == "user_dpsgd":
-            loader = UserDataLoader(
-                bounded, users_per_batch=users_per_batch, user_column=user_column, max_samples_per_user=m, **loader_kwargs
-            )
-            expected_units = loader.users_per_batch
-        else:  # group: every record is its own sampling and clipping unit, at the users' rate q
-            q = users_per_batch / self.bounding.n_users
-            loader = UserDataLoader(
-                bounded,
-                users_per_batch=q * len(bounded),
-                user_ids=range(len(bounded)),
-                user_column=user_column,
-                steps=int(round(1 / q)),
-                **loader_kwargs,
-            )
-            expected_units = q * len(bounded)
-        sample_rate = loader.sample_rate
-        previous = self.accountant
-        self.accountant = type(previous)(
-            relation=previous.relation,
+        self._install_accountant(
+            loader.sample_rate,
             group_size=m if mechanism == "group" else None,
             els=mechanism == "group" and group_accounting == "els",
         )
-        if not self.accountant.supports_relation(sample_rate):
-            raise ValueError(
-                f"The {self.accountant.kind} accountant cannot account this mechanism under the "
-                f"{previous.relation!r} relation; use PrivacyEngine(accountant='pld')."
-            )
-        if previous.history:  # e.g. a checkpoint loaded before make_private_user_level: keep counting
-            warnings.warn("The engine's accountant already has steps; they stay in the budget.")
-            self.accountant.history = list(previous.history)
-        total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, sample_rate)
+        total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, loader.sample_rate)
         if target_epsilon is not None:
-            noise_multiplier = calibrate_noise_multiplier(
-                lambda s: self.accountant.step_event(s, sample_rate, total_steps),
-                target_epsilon=target_epsilon,
-                target_delta=target_delta,
-                accountant=self.accountant.kind,
-                relation=self.accountant.relation,
-                group_size=self.accountant.conversion_group_size,
-                **self.accountant.options,
-            )
-
-        self._position_hook = supply_position_ids(module)
-        hooks = UserGradSampleHooks(module, force_functorch=grad_sample_mode == "functorch")
+            noise_multiplier = self._calibrate(target_epsilon, target_delta, loader.sample_rate, total_steps)
+        hooks = self._attach_hooks(module, grad_sample_mode)
         dp_optimizer = UserDPOptimizer(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -205,11 +150,94 @@ class PrivacyEngine(opacus.PrivacyEngine):
             self_check=self_check,
             budget_guard=self._check_budget if target_epsilon is not None else None,
         )
-        dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-        loader.add_batch_callback(hooks.set_row_users)
-        self.mechanism, self.hooks, self.optimizer, self.data_loader = mechanism, hooks, dp_optimizer, loader
+        budget = None if target_epsilon is None else (target_epsilon, target_delta)
+        return self._finish(module, dp_optimizer, loader, mechanism, total_steps, budget)
+
+    # -- pieces shared with AdaptiveUserPrivacyEngine ------------------------------------------
+    @staticmethod
+    def _check_target(target_epsilon, target_delta, epochs, steps) -> None:
+        check_epsilon(target_epsilon)
+        check_delta(target_delta)
+        if epochs is None and steps is None:
+            raise ValueError("With target_epsilon, give `epochs` or `steps`: σ depends on how long you train.")
+
+    def _check_model(self, module, optimizer, grad_sample_mode: str, max_samples_per_user: int) -> int:
+        if grad_sample_mode not in ("hooks", "functorch"):
+            raise ValueError(
+                "grad_sample_mode must be 'hooks' or 'functorch': per-user averages need per-sample "
+                f"gradients, which ghost clipping does not produce (got {grad_sample_mode!r})."
+            )
+        if self.hooks is not None:
+            raise ValueError("This engine already made a model private; create a new PrivacyEngine.")
+        m = check_max_samples_per_user(max_samples_per_user)
+        model_params = set(module.parameters())
+        if any(p not in model_params for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)):
+            raise ValueError("Module parameters are different than optimizer parameters.")
+        check_module(module)
+        return m
+
+    def _make_loader(
+        self, data_loader, mechanism, m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
+        sampling_seed, max_users_per_batch=None,
+    ) -> Tuple[UserDataLoader, float]:
+        """Bound contributions and build the Poisson loader; returns it and the expected units per step."""
+        bounded, self.bounding = bound_contributions(
+            data_loader.dataset, m, user_column=user_column, user_ids=user_ids, seed=bounding_seed
+        )
+        kwargs = dict(
+            collate_fn=data_loader.collate_fn,
+            num_workers=data_loader.num_workers,
+            pin_memory=data_loader.pin_memory,
+            rows_per_example=rows_per_example,
+            seed=sampling_seed,
+            user_column=user_column,
+        )
+        if mechanism != "group":
+            loader = UserDataLoader(
+                bounded, users_per_batch=users_per_batch, max_samples_per_user=m,
+                max_users_per_batch=max_users_per_batch, **kwargs,
+            )
+            return loader, loader.users_per_batch
+        # group: every record is its own sampling and clipping unit, at the users' rate q
+        q = users_per_batch / self.bounding.n_users
+        loader = UserDataLoader(
+            bounded, users_per_batch=q * len(bounded), user_ids=range(len(bounded)), steps=int(round(1 / q)), **kwargs
+        )
+        return loader, q * len(bounded)
+
+    def _install_accountant(self, sample_rate: float, **config) -> None:
+        previous = self.accountant
+        self.accountant = type(previous)(relation=previous.relation, **config)
+        if not self.accountant.supports_relation(sample_rate):
+            raise ValueError(
+                f"The {self.accountant.kind} accountant cannot account this mechanism under the "
+                f"{previous.relation!r} relation; use PrivacyEngine(accountant='pld')."
+            )
+        if previous.history:  # e.g. a checkpoint loaded before make_private_user_level: keep counting
+            warnings.warn("The engine's accountant already has steps; they stay in the budget.")
+            self.accountant.history = list(previous.history)
+
+    def _calibrate(self, epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+        return calibrate_noise_multiplier(
+            lambda s: self.accountant.step_event(s, sample_rate, steps),
+            target_epsilon=epsilon,
+            target_delta=delta,
+            accountant=self.accountant.kind,
+            relation=self.accountant.relation,
+            group_size=self.accountant.conversion_group_size,
+            **self.accountant.options,
+        )
+
+    def _attach_hooks(self, module: nn.Module, grad_sample_mode: str) -> UserGradSampleHooks:
+        self._position_hook = supply_position_ids(module)
+        return UserGradSampleHooks(module, force_functorch=grad_sample_mode == "functorch")
+
+    def _finish(self, module, dp_optimizer, loader, mechanism, total_steps, budget):
+        dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=loader.sample_rate))
+        loader.add_batch_callback(dp_optimizer.hooks.set_row_users)
+        self.mechanism, self.hooks, self.optimizer, self.data_loader = mechanism, dp_optimizer.hooks, dp_optimizer, loader
         self.planned_steps = total_steps
-        self.target = None if target_epsilon is None else (target_epsilon, target_delta)
+        self.budget = budget
         return module, dp_optimizer, loader
 
     def _check_budget(self) -> None:
@@ -217,14 +245,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
         that would take ε past ``target_epsilon``. With one (σ, q) throughout, that is any step after
         the T the noise was calibrated for; otherwise ε of the history plus one step is computed."""
         opt = self.optimizer
-        eps, delta = self.target
+        eps, delta = self.budget
         step = (opt.noise_multiplier, self.data_loader.sample_rate)
         history = self.accountant.history
         if all((s, q) == step for s, q, _ in history):
             allowed = self.accountant.steps_taken < self.planned_steps
         else:
-            trial = type(self.accountant)(relation=self.accountant.relation, group_size=self.accountant.group_size,
-                                          els=self.accountant.els)
+            trial = self.accountant.spawn()
             trial.history = list(history)
             trial.step(noise_multiplier=step[0], sample_rate=step[1])
             allowed = trial.get_epsilon(delta) <= eps
@@ -254,7 +281,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             privacy_unit="user",
             max_grad_norm=opt.max_grad_norm,
             rows_dropped=self.bounding.rows_dropped,
-            extra={"expected_units_per_step": opt.expected_batch_size, "clipping_unit": "user" if self.mechanism == "user_dpsgd" else "record"},
+            extra={"expected_units_per_step": opt.expected_batch_size, "clipping_unit": "record" if self.mechanism == "group" else "user"},
         )
 
     def detach(self) -> None:

@@ -8,7 +8,8 @@ registered with Opacus under ``"dp_rdp"`` and ``"dp_pld"``::
 
 With ``group_size=m`` the history is read as item-level DP-SGD steps (records sampled at rate q,
 each clipped) and the reported ε is the user-level guarantee for users of at most ``m`` records:
-through group privacy, or with ``els=True`` through ELS accounting (SPEC §2 M2).
+through group privacy, or with ``els=True`` through ELS accounting (SPEC §2 M2). With
+``truncation=(n_users, max_users)`` steps are truncated-Poisson-sampled (AUP-RLHF, SPEC §2 M4).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
 from ..validators import check_delta
 from .analysis import compute_epsilon, neighboring_relation
-from .events import els_event, poisson_gaussian_event
+from .events import els_event, poisson_gaussian_event, truncated_poisson_gaussian_event
 
-#: PLD discretisation for ELS: its mixture-of-Gaussians PLD is 10-70x slower at dp-accounting's
+#: PLD discretisation for ELS and truncated sampling: their PLDs are 10-70x slower at dp-accounting's
 #: default 1e-4; the coarser grid is still an upper bound (pessimistic rounding).
-ELS_DISCRETIZATION = 1e-3
+COARSE_DISCRETIZATION = 1e-3
 
 
 class DPAccountingAccountant(IAccountant):
@@ -34,14 +35,31 @@ class DPAccountingAccountant(IAccountant):
 
     kind = "rdp"
 
-    def __init__(self, *, relation: str = "add_or_remove", group_size: Optional[int] = None, els: bool = False):
+    def __init__(
+        self,
+        *,
+        relation: str = "add_or_remove",
+        group_size: Optional[int] = None,
+        els: bool = False,
+        truncation: Optional[Tuple[int, int]] = None,
+    ):
         neighboring_relation(relation)  # validates the name
         if els and (self.kind != "pld" or group_size is None):
             raise ValueError("ELS accounting needs the PLD accountant and a group_size (records per user).")
+        if truncation is not None and self.kind != "pld":
+            raise ValueError("Truncated Poisson sampling is accounted by dp-accounting's PLD accountant only.")
         self.history = []
         self.relation = relation
         self.group_size = group_size
         self.els = els
+        self.truncation = None if truncation is None else tuple(truncation)
+
+    def _config(self) -> tuple:
+        return (self.kind, self.relation, self.group_size, self.els, self.truncation)
+
+    def spawn(self) -> "DPAccountingAccountant":
+        """An empty accountant with the same configuration."""
+        return type(self)(relation=self.relation, group_size=self.group_size, els=self.els, truncation=self.truncation)
 
     #: Same history bookkeeping as Opacus: consecutive steps with equal (σ, q) are merged.
     step = RDPAccountant.step
@@ -54,12 +72,15 @@ class DPAccountingAccountant(IAccountant):
     @property
     def options(self) -> dict:
         """Extra dp-accounting accountant options for this accountant's events."""
-        return {"value_discretization_interval": ELS_DISCRETIZATION} if self.els else {}
+        coarse = self.els or self.truncation is not None
+        return {"value_discretization_interval": COARSE_DISCRETIZATION} if coarse else {}
 
     def step_event(self, noise_multiplier: float, sample_rate: float, steps: int) -> dpa.DpEvent:
         """The event of ``steps`` steps at (σ, q)."""
         if self.els:
             return els_event(noise_multiplier, sample_rate, steps, self.group_size)
+        if self.truncation is not None:
+            return truncated_poisson_gaussian_event(noise_multiplier, sample_rate, steps, *self.truncation)
         return poisson_gaussian_event(noise_multiplier, sample_rate, steps)
 
     def event(self) -> dpa.DpEvent:
@@ -70,9 +91,7 @@ class DPAccountingAccountant(IAccountant):
         check_delta(delta, "delta")
         if not self.history:
             return 0.0
-        return _cached_epsilon(
-            tuple(map(tuple, self.history)), delta, self.kind, self.relation, self.group_size, self.els
-        )
+        return _cached_epsilon(tuple(map(tuple, self.history)), delta, self._config())
 
     def __len__(self) -> int:
         return len(self.history)
@@ -98,6 +117,7 @@ class DPAccountingAccountant(IAccountant):
         destination["relation"] = self.relation
         destination["group_size"] = self.group_size
         destination["els"] = self.els
+        destination["truncation"] = self.truncation
         return destination
 
     def load_state_dict(self, state_dict) -> None:
@@ -105,11 +125,13 @@ class DPAccountingAccountant(IAccountant):
         self.relation = state_dict.get("relation", self.relation)
         self.group_size = state_dict.get("group_size", self.group_size)
         self.els = state_dict.get("els", self.els)
+        self.truncation = state_dict.get("truncation", self.truncation)
 
 
 @lru_cache(maxsize=64)
-def _cached_epsilon(history, delta: float, kind: str, relation: str, group_size, els: bool) -> float:
-    acc = _BY_KIND[kind](relation=relation, group_size=group_size, els=els)
+def _cached_epsilon(history, delta: float, config: tuple) -> float:
+    kind, relation, group_size, els, truncation = config
+    acc = _BY_KIND[kind](relation=relation, group_size=group_size, els=els, truncation=truncation)
     acc.history = list(history)
     return compute_epsilon(
         acc.event(), delta, accountant=kind, relation=relation, group_size=acc.conversion_group_size, **acc.options

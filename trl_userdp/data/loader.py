@@ -72,6 +72,8 @@ class UserDataLoader(DataLoader):
         super().__init__(tagged, batch_sampler=sampler, collate_fn=collator, **kwargs)
         self.last_row_users: Optional[torch.Tensor] = None
         self._callbacks: List[Callable[[torch.Tensor], None]] = []
+        #: iteration ends early once this returns True (AUP-RLHF's halt)
+        self.stop_when: Optional[Callable[[], bool]] = None
 
     @property
     def user_sampler(self) -> UserPoissonSampler:
@@ -96,6 +98,8 @@ class UserDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         for batch, row_users in super().__iter__():
+            if self.stop_when is not None and self.stop_when():
+                return
             self.last_row_users = row_users
             for fn in self._callbacks:
                 fn(row_users)

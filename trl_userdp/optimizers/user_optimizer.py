@@ -74,6 +74,13 @@ class UserDPOptimizer(DPOptimizer):
     def unit_gradients(self) -> List[torch.Tensor]:
         """Each parameter's per-unit *averaged* gradients ``[U, *p.shape]`` for the current step
         (unit order: ``hooks.unit_ids``), from the hooks' per-unit sums; does not modify state."""
+        stray = [name for p, name in self.hooks.param_names.items() if getattr(p, "_forward_counter", 0) != 0]
+        if stray:
+            raise ValueError(
+                f"A forward pass in training mode had no backward pass ({stray[0]!r} and {len(stray) - 1} more "
+                "parameters wait for one), so per-sample gradients are incomplete. Run evaluation under "
+                "torch.no_grad() or model.eval(), and backpropagate every training forward pass."
+            )
         counts = self.hooks.unit_counts
         n_units = len(counts)
         check = self.self_check and n_units > 0 and self.hooks.micro_batches == 1

@@ -1,0 +1,177 @@
+"""``AUPOptimizer``: the private mean oracle of AUP-RLHF (Zhang et al., Alg. 2 steps 8–16;
+Liu & Asi 2024) in place of clipping, with SPEC §2 M4's sensitivity correction.
+
+Per step, on the per-user averaged gradients ``g_i`` of the sampled users ``U_t``:
+
+1. concentration score ``s_t = (1/ñ) Σ_{i,i'∈U_t} 1(‖g_i − g_i'‖ ≤ τ)`` (ordered pairs, i = i'
+   included), distances from the Gram matrix of the ``g_i``;
+2. AboveThreshold with budget ``ε_svt`` and threshold ``4ñ/5``: one noisy threshold per run
+   (``Lap(2Δ/ε_svt)``), ``Lap(4Δ/ε_svt)`` per query, ``Δ = (2ñ_max − 1)/ñ`` (one user changes up
+   to ``2|U_t| − 1`` pair indicators; ``|U_t| ≤ ñ_max`` by truncated sampling). Below threshold (⊥):
+   halt — no update, no further steps;
+3. ``f_i = Σ_{i'} 1(‖g_i' − g_i‖ ≤ 2τ)``; keep user i with probability 0 if ``f_i < ñ/2``, 1 if
+   ``f_i ≥ 2ñ/3``, else ``(f_i − ñ/2)/(ñ/6)``;
+4. ``ĝ`` = mean of the kept ``g_i`` (0 if none), plus ``N(0, 8τ²·log(e^ε T/δ)·σ²/ñ² · I)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import List, Optional
+
+import torch
+
+from .user_optimizer import UserDPOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+def pairwise_distances(unit_grads: List[torch.Tensor]) -> torch.Tensor:
+    """``[U, U]`` Euclidean distances between per-user gradients (all parameters together), from the
+    Gram matrix ``G = Σ_p g_p g_pᵀ``: ``‖g_i − g_j‖² = G_ii + G_jj − 2 G_ij``."""
+    n = unit_grads[0].shape[0] if unit_grads else 0
+    gram = torch.zeros((n, n), dtype=torch.float64)
+    for g in unit_grads:
+        flat = g.reshape(n, -1).double()
+        gram += (flat @ flat.T).cpu()
+    sq = torch.diagonal(gram)
+    return (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0).sqrt()
+
+
+def keep_probabilities(distances: torch.Tensor, radius: float, expected_users: float) -> torch.Tensor:
+    """Step 12's keep probability from ``f_i`` = number of users within 2τ of user i (self included)."""
+    f = (distances <= 2 * radius).sum(dim=1).double()
+    return ((f - expected_users / 2) / (expected_users / 6)).clamp(0.0, 1.0)
+
+
+class AUPOptimizer(UserDPOptimizer):
+    """AUP-RLHF's adaptive private mean estimation around any ``torch.optim.Optimizer``.
+
+    Args:
+        noise_multiplier: σ = PrivacyAccount(ε − ε_svt, δ/2, n, ñ, T) (the Gaussian half).
+        concentration_radius: τ.
+        expected_batch_size: ñ, expected users per step.
+        max_users_per_batch: ñ_max (the truncation of the sampler).
+        epsilon, delta, steps: the run's total (ε, δ) and T, which enter the noise scale.
+        svt_epsilon: the AboveThreshold budget ε_svt (ε/2 in the paper).
+        average_iterates: keep the running average of the iterates (the output for convex models).
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        *,
+        noise_multiplier: float,
+        concentration_radius: float,
+        expected_batch_size: float,
+        max_users_per_batch: int,
+        epsilon: float,
+        delta: float,
+        steps: int,
+        svt_epsilon: float,
+        hooks,
+        generator: Optional[torch.Generator] = None,
+        secure_mode: bool = False,
+        self_check: bool = True,
+        budget_guard=None,
+        average_iterates: bool = False,
+    ):
+        super().__init__(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=concentration_radius,  # Opacus's noise std is σ·max_grad_norm; unused here
+            expected_batch_size=expected_batch_size,
+            hooks=hooks,
+            generator=generator,
+            secure_mode=secure_mode,
+            self_check=self_check,
+            budget_guard=budget_guard,
+        )
+        self.concentration_radius = float(concentration_radius)
+        self.max_users_per_batch = int(max_users_per_batch)
+        self.svt_epsilon = float(svt_epsilon)
+        self.svt_sensitivity = (2 * self.max_users_per_batch - 1) / expected_batch_size
+        self.noise_std = (
+            self.concentration_radius * noise_multiplier * math.sqrt(8 * math.log(math.exp(epsilon) * steps / delta))
+            / expected_batch_size
+        )
+        self.noisy_threshold: Optional[float] = None  # drawn at the first query, once per run
+        self.svt_queries = 0
+        self.halted = False
+        self.halted_at_query: Optional[int] = None
+        self.last_stats: dict = {}
+        self.average_iterates = average_iterates
+        self.iterate_average: Optional[List[torch.Tensor]] = None
+        self._averaged = 0
+
+    def _laplace(self, scale: float) -> float:
+        u = torch.rand((), generator=self.generator, dtype=torch.float64) - 0.5
+        return float(-scale * torch.sign(u) * torch.log1p(-2 * u.abs()))
+
+    def above_threshold(self, score: float) -> bool:
+        """One AboveThreshold query (AUP-RLHF Alg. 3 with sensitivity Δ): True for ⊤."""
+        n_tilde = self.expected_batch_size
+        if self.noisy_threshold is None:
+            self.noisy_threshold = 4 * n_tilde / 5 - self._laplace(2 * self.svt_sensitivity / self.svt_epsilon)
+        self.svt_queries += 1
+        return score + self._laplace(4 * self.svt_sensitivity / self.svt_epsilon) >= self.noisy_threshold
+
+    def pre_step(self, closure=None) -> bool:
+        grads = self.unit_gradients()
+        n_units = len(self.hooks.unit_counts)
+        if n_units > self.max_users_per_batch:
+            raise ValueError(
+                f"{n_units} users in a step but max_users_per_batch={self.max_users_per_batch}: the AboveThreshold "
+                "sensitivity assumes truncated sampling; use the loader made by AdaptiveUserPrivacyEngine."
+            )
+        n_tilde, tau = self.expected_batch_size, self.concentration_radius
+        dist = pairwise_distances(grads) if n_units else torch.zeros((0, 0), dtype=torch.float64)
+        score = float((dist <= tau).sum()) / n_tilde
+        if not self.above_threshold(score):
+            self.halted, self.halted_at_query = True, self.svt_queries
+            logger.warning(
+                "AUP-RLHF halted at AboveThreshold query %d (concentration score %.2f below the noisy threshold): "
+                "no further steps are taken.", self.svt_queries, score,
+            )
+            self.last_stats = {"score": score, "users": n_units, "halted": True}
+            return False
+        probs = keep_probabilities(dist, tau, n_tilde)
+        keep = torch.rand(n_units, generator=self.generator, dtype=torch.float64) < probs
+        kept = int(keep.sum())
+        for p, g in zip(self.params, grads):
+            mean = g[keep.to(g.device)].mean(0) if kept else torch.zeros_like(p)
+            noise = torch.normal(0.0, self.noise_std, size=p.shape, generator=self.generator, dtype=p.dtype, device=p.device)
+            p.grad = (mean + noise).view_as(p)
+        self.last_stats = {"score": score, "users": n_units, "kept": kept, "halted": False}
+        if self.step_hook:
+            self.step_hook(self)
+        return True
+
+    def step(self, closure=None):
+        """One AUP step; after a halt, a no-op (AboveThreshold answers no more queries)."""
+        if self.halted:
+            self.hooks.reset_step(clear_pending=True)
+            return None
+        result = super().step(closure)
+        if self.average_iterates and not self.halted:
+            self._update_average()
+        return result
+
+    def _update_average(self) -> None:
+        self._averaged += 1
+        current = [p.detach() for p in self.params]
+        if self.iterate_average is None:
+            self.iterate_average = [c.clone() for c in current]
+        else:
+            for avg, c in zip(self.iterate_average, current):
+                avg.add_((c - avg) / self._averaged)
+
+    def load_iterate_average(self) -> None:
+        """Copy the running average of the iterates into the parameters (AUP-RLHF's output for
+        convex models; for networks the last iterate is the usual output)."""
+        if self.iterate_average is None:
+            raise ValueError("No iterate average: construct with average_iterates=True and take a step.")
+        with torch.no_grad():
+            for p, avg in zip(self.params, self.iterate_average):
+                p.copy_(avg)
