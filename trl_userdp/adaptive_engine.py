@@ -70,6 +70,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         noise_generator: Optional[torch.Generator] = None,
         self_check: bool = True,
         grad_sample_mode: str = "hooks",
+        user_key: Optional[str] = None,
     ) -> Tuple[nn.Module, AUPOptimizer, UserDataLoader]:
         """Like :meth:`PrivacyEngine.make_private_user_level`, plus ``concentration_radius`` (τ),
         ``max_users_per_batch`` (ñ_max; default :func:`default_max_users_per_batch`),
@@ -91,7 +92,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             user_ids = getattr(data_loader.dataset, "user_ids", None) if user_ids is not None else None
         loader, expected = self._make_loader(
             data_loader, "user_dpsgd", m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
-            sampling_seed, max_users_per_batch=n_max,
+            sampling_seed, max_users_per_batch=n_max, user_key=user_key,
         )
         self._install_accountant(loader.sample_rate, truncation=(loader.n_users, n_max))
         total_steps = check_steps(steps, epochs, loader.sample_rate)

@@ -95,6 +95,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         noise_generator: Optional[torch.Generator] = None,
         self_check: bool = True,
         grad_sample_mode: str = "hooks",
+        user_key: Optional[str] = None,
     ) -> Tuple[nn.Module, UserDPOptimizer, UserDataLoader]:
         """Make ``(module, optimizer, data_loader)`` user-level private.
 
@@ -106,8 +107,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         ``user_column`` of a ``datasets.Dataset`` say who wrote each row; ``rows_per_example=2`` for
         collators that emit ``[chosen; rejected]`` rows, stacked in two blocks (row i and row B + i are
         one example, as in TRL; an interleaved layout would be mis-assigned and is not detectable).
-        Every batch the loader yields must be used by one ``optimizer.step()``. The loss must be the mean over the batch's
-        rows; each user counts as the average of its rows. Returns the model itself (hooks attached),
+        Every batch the loader yields must be used by one ``optimizer.step()``. With ``user_key`` the
+        loader puts each batch's row -> user map into the (dict) batch under that key, and the training
+        loop hands it to ``optimizer.hooks.set_row_users`` itself (for loops that prefetch batches).
+        The loss must be the mean over the batch's rows; each user counts as the average of its rows. Returns the model itself (hooks attached),
         the :class:`~trl_userdp.optimizers.UserDPOptimizer` and the loader. One epoch is
         ``round(1/q)`` steps.
         """
@@ -128,7 +131,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
         loader, expected_units = self._make_loader(
             data_loader, mechanism, m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
-            sampling_seed,
+            sampling_seed, user_key=user_key,
         )
         self._install_accountant(
             loader.sample_rate,
@@ -178,7 +181,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     def _make_loader(
         self, data_loader, mechanism, m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
-        sampling_seed, max_users_per_batch=None,
+        sampling_seed, max_users_per_batch=None, user_key=None,
     ) -> Tuple[UserDataLoader, float]:
         """Bound contributions and build the Poisson loader; returns it and the expected units per step."""
         bounded, self.bounding = bound_contributions(
@@ -191,6 +194,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             rows_per_example=rows_per_example,
             seed=sampling_seed,
             user_column=user_column,
+            user_key=user_key,
         )
         if mechanism != "group":
             loader = UserDataLoader(
@@ -234,28 +238,33 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     def _finish(self, module, dp_optimizer, loader, mechanism, total_steps, budget):
         dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=loader.sample_rate))
-        loader.add_batch_callback(dp_optimizer.hooks.set_row_users)
+        if loader.user_key is None:
+            loader.add_batch_callback(dp_optimizer.hooks.set_row_users)
         self.mechanism, self.hooks, self.optimizer, self.data_loader = mechanism, dp_optimizer.hooks, dp_optimizer, loader
         self.planned_steps = total_steps
         self.budget = budget
         return module, dp_optimizer, loader
 
-    def _check_budget(self) -> None:
-        """Budget guard, read from the accountant (so it survives checkpoint resumes): refuse a step
-        that would take ε past ``target_epsilon``. With one (σ, q) throughout, that is any step after
-        the T the noise was calibrated for; otherwise ε of the history plus one step is computed."""
-        opt = self.optimizer
+    def budget_allows_step(self) -> bool:
+        """Whether one more step stays within the budget, read from the accountant (so it survives
+        checkpoint resumes). With one (σ, q) throughout, a step is allowed while fewer than the T steps
+        σ was calibrated for are accounted; otherwise ε of the history plus one step is computed."""
+        if self.budget is None:
+            return True
         eps, delta = self.budget
-        step = (opt.noise_multiplier, self.data_loader.sample_rate)
+        step = (self.optimizer.noise_multiplier, self.data_loader.sample_rate)
         history = self.accountant.history
         if all((s, q) == step for s, q, _ in history):
-            allowed = self.accountant.steps_taken < self.planned_steps
-        else:
-            trial = self.accountant.spawn()
-            trial.history = list(history)
-            trial.step(noise_multiplier=step[0], sample_rate=step[1])
-            allowed = trial.get_epsilon(delta) <= eps
-        if not allowed:
+            return self.accountant.steps_taken < self.planned_steps
+        trial = self.accountant.spawn()
+        trial.history = list(history)
+        trial.step(noise_multiplier=step[0], sample_rate=step[1])
+        return trial.get_epsilon(delta) <= eps
+
+    def _check_budget(self) -> None:
+        """The optimizer's budget guard: refuse a step that would take ε past the budget."""
+        if not self.budget_allows_step():
+            eps, delta = self.budget
             raise PrivacyBudgetExhausted(
                 f"Another step would take ε past target_epsilon={eps} (δ={delta}); "
                 f"{self.accountant.steps_taken} steps are already accounted. Stop training here."

@@ -22,3 +22,14 @@ def test_corruption_separation_reports_the_bias_ratio(tmp_path):
     ratio = out["bias_ratio"]["3.0|0.05"]
     assert math.isnan(ratio) or ratio > 0
     assert os.path.exists(tmp_path / "corruption_separation.json")
+
+
+def test_user_level_theory_runs_a_tiny_sweep(tmp_path):
+    from benchmarks import user_level_theory
+
+    out = user_level_theory.main(["--quick", "--seeds", "2", "--ms", "2", "--n", "60", "--table_ms", "5", "--out", str(tmp_path)])
+    cell = out["results"]["m"]["60|2|3.0"]
+    assert set(user_level_theory.ESTIMATORS) <= set(cell)
+    row = out["noise_table"][0]
+    assert row["user_wise"] > 0 and row["aup"] > 0 and 0 <= row["aup_survives_T"] <= 1
+    assert os.path.exists(tmp_path / "user_level_theory.png")

@@ -53,7 +53,9 @@ def test_accelerate_prepare_keeps_poisson_batches_and_empty_steps():
     index = resolve_user_ids(ds)
     tagged = UserTaggedDataset(ds, index.codes, "user_id")
     sampler = UserPoissonSampler(index, users_per_batch=1, steps=40, seed=0)
-    expected = list(UserPoissonSampler(index, users_per_batch=1, steps=40, seed=0))
+    reference = UserPoissonSampler(index, users_per_batch=1, steps=40, seed=0)
+    reference.set_epoch(0)  # accelerate's DataLoaderShard sets the epoch before iterating
+    expected = list(reference)
     collate = UserCollator(DataCollatorForPreference(pad_token_id=0), template=tagged[0][0], rows_per_example=2, user_key="user_id")
     loader = Accelerator(cpu=True).prepare(DataLoader(tagged, batch_sampler=sampler, collate_fn=collate))
     batches = list(loader)

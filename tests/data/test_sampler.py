@@ -100,3 +100,16 @@ def test_same_seed_same_batches_and_dataloader_compatible():
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         UserPoissonSampler(_index(), **kwargs)
+
+
+def test_set_epoch_gives_each_epoch_fresh_draws_and_replays_an_epoch_exactly():
+    index = _index()
+    sampler = UserPoissonSampler(index, users_per_batch=4, steps=30, seed=5)
+    sampler.set_epoch(0)
+    epoch0 = list(sampler)
+    sampler.set_epoch(1)
+    epoch1 = list(sampler)
+    assert epoch0 != epoch1
+    resumed = UserPoissonSampler(index, users_per_batch=4, steps=30, seed=5)
+    resumed.set_epoch(1)
+    assert list(resumed) == epoch1

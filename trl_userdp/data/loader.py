@@ -18,7 +18,9 @@ class UserDataLoader(DataLoader):
     Each step's users are drawn by :class:`UserPoissonSampler`; empty steps arrive as zero-row
     batches. The row → user map of a batch is recorded when the batch is *yielded* (so it is right
     with worker processes that run ahead) in :attr:`last_row_users`, and passed to every callback
-    registered with :meth:`add_batch_callback` (the engine's optimizer registers itself).
+    registered with :meth:`add_batch_callback` (the engine's hooks register themselves). With
+    ``user_key``, dict batches carry the map under that key instead (for loops, like transformers'
+    Trainer, that prefetch batches); then no callback runs.
 
     If ``max_samples_per_user`` is given, a user with more rows raises: the dataset must be bounded
     first (:func:`~trl_userdp.data.bound_contributions`).
@@ -41,6 +43,7 @@ class UserDataLoader(DataLoader):
         generator: Optional[torch.Generator] = None,
         num_replicas: int = 1,
         rank: int = 0,
+        user_key: Optional[str] = None,
         **kwargs: Any,
     ):
         clash = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & kwargs.keys())
@@ -68,8 +71,9 @@ class UserDataLoader(DataLoader):
             num_replicas=num_replicas,
             rank=rank,
         )
-        collator = UserCollator(collate_fn, template=tagged[0][0], rows_per_example=rows_per_example)
+        collator = UserCollator(collate_fn, template=tagged[0][0], rows_per_example=rows_per_example, user_key=user_key)
         super().__init__(tagged, batch_sampler=sampler, collate_fn=collator, **kwargs)
+        self.user_key = user_key
         self.last_row_users: Optional[torch.Tensor] = None
         self._callbacks: List[Callable[[torch.Tensor], None]] = []
         #: iteration ends early once this returns True (AUP-RLHF's halt)
@@ -96,10 +100,17 @@ class UserDataLoader(DataLoader):
         """Call ``fn(row_users)`` whenever a batch is yielded."""
         self._callbacks.append(fn)
 
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
     def __iter__(self) -> Iterator[Any]:
-        for batch, row_users in super().__iter__():
+        for item in super().__iter__():
             if self.stop_when is not None and self.stop_when():
                 return
+            if self.user_key is not None:  # the users travel inside the batch (Trainer path)
+                yield item
+                continue
+            batch, row_users = item
             self.last_row_users = row_users
             for fn in self._callbacks:
                 fn(row_users)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Iterator, List, Optional
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -61,6 +62,7 @@ class UserPoissonSampler(Sampler[List[int]]):
             raise ValueError(f"rank must lie in [0, num_replicas), got rank={rank}, num_replicas={num_replicas}.")
         if num_replicas > 1 and seed is None and generator is None:
             raise ValueError("With num_replicas > 1 pass a `seed` shared by all ranks, so they draw the same users.")
+        self.seed = seed
         if generator is None:
             generator = torch.Generator()
             generator.manual_seed(torch.seed() if seed is None else seed)
@@ -70,6 +72,13 @@ class UserPoissonSampler(Sampler[List[int]]):
 
     def __len__(self) -> int:
         return self.steps
+
+    def set_epoch(self, epoch: int) -> None:
+        """With a seed, draw epoch ``epoch`` from its own stream (seed, epoch): every epoch gets fresh
+        draws, and a run resumed at an epoch replays exactly that epoch's draws (transformers'
+        Trainer calls this). Without a seed the stream just continues."""
+        if self.seed is not None:
+            self.generator.manual_seed(int(np.random.SeedSequence([self.seed, int(epoch)]).generate_state(1)[0]))
 
     def sample_users(self) -> torch.Tensor:
         """One step's users (all ranks): Poisson with rate q, truncated to ``max_users_per_batch``."""

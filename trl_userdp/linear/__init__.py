@@ -1,6 +1,17 @@
 """The linear BTL world of the theory: data generation and one estimator per mechanism."""
 
 from .btl import BTLData, generate_btl_data, project_theta, sample_theta_star
+from .user_level import (
+    SGDResult,
+    aup_rlhf,
+    group_dpsgd,
+    theorem4_lr,
+    theorem4_tau,
+    user_dpsgd,
+    user_gradients,
+    user_objective_perturbation,
+    user_rr_mle,
+)
 from .estimators import (
     curvature_gamma,
     debiased_labels,
@@ -14,6 +25,15 @@ from .estimators import (
 
 __all__ = [
     "BTLData",
+    "SGDResult",
+    "aup_rlhf",
+    "group_dpsgd",
+    "theorem4_lr",
+    "theorem4_tau",
+    "user_dpsgd",
+    "user_gradients",
+    "user_objective_perturbation",
+    "user_rr_mle",
     "curvature_gamma",
     "debiased_labels",
     "fit_logistic",

@@ -45,6 +45,27 @@ def keep_probabilities(distances: torch.Tensor, radius: float, expected_users: f
     return ((f - expected_users / 2) / (expected_users / 6)).clamp(0.0, 1.0)
 
 
+class AboveThreshold:
+    """AboveThreshold (Dwork & Roth; AUP-RLHF Alg. 3) for queries of sensitivity Δ: one noisy
+    threshold per run, ``Lap(2Δ/ε)``; ``Lap(4Δ/ε)`` per query; pure ε for the whole run."""
+
+    def __init__(self, threshold: float, epsilon: float, sensitivity: float, generator: Optional[torch.Generator] = None):
+        self.threshold, self.epsilon, self.sensitivity, self.generator = threshold, epsilon, sensitivity, generator
+        self.noisy_threshold: Optional[float] = None  # drawn at the first query
+        self.queries = 0
+
+    def _laplace(self, scale: float) -> float:
+        u = torch.rand((), generator=self.generator, dtype=torch.float64) - 0.5
+        return float(-scale * torch.sign(u) * torch.log1p(-2 * u.abs()))
+
+    def query(self, value: float) -> bool:
+        """True (⊤) if the noisy value clears the noisy threshold; False (⊥) means halt."""
+        if self.noisy_threshold is None:
+            self.noisy_threshold = self.threshold - self._laplace(2 * self.sensitivity / self.epsilon)
+        self.queries += 1
+        return value + self._laplace(4 * self.sensitivity / self.epsilon) >= self.noisy_threshold
+
+
 class AUPOptimizer(UserDPOptimizer):
     """AUP-RLHF's adaptive private mean estimation around any ``torch.optim.Optimizer``.
 
@@ -91,13 +112,14 @@ class AUPOptimizer(UserDPOptimizer):
         self.concentration_radius = float(concentration_radius)
         self.max_users_per_batch = int(max_users_per_batch)
         self.svt_epsilon = float(svt_epsilon)
-        self.svt_sensitivity = (2 * self.max_users_per_batch - 1) / expected_batch_size
+        self.svt = AboveThreshold(
+            4 * expected_batch_size / 5, self.svt_epsilon, (2 * self.max_users_per_batch - 1) / expected_batch_size,
+            self.generator,
+        )
         self.noise_std = (
             self.concentration_radius * noise_multiplier * math.sqrt(8 * math.log(math.exp(epsilon) * steps / delta))
             / expected_batch_size
         )
-        self.noisy_threshold: Optional[float] = None  # drawn at the first query, once per run
-        self.svt_queries = 0
         self.halted = False
         self.halted_at_query: Optional[int] = None
         self.last_stats: dict = {}
@@ -105,17 +127,9 @@ class AUPOptimizer(UserDPOptimizer):
         self.iterate_average: Optional[List[torch.Tensor]] = None
         self._averaged = 0
 
-    def _laplace(self, scale: float) -> float:
-        u = torch.rand((), generator=self.generator, dtype=torch.float64) - 0.5
-        return float(-scale * torch.sign(u) * torch.log1p(-2 * u.abs()))
-
-    def above_threshold(self, score: float) -> bool:
-        """One AboveThreshold query (AUP-RLHF Alg. 3 with sensitivity Δ): True for ⊤."""
-        n_tilde = self.expected_batch_size
-        if self.noisy_threshold is None:
-            self.noisy_threshold = 4 * n_tilde / 5 - self._laplace(2 * self.svt_sensitivity / self.svt_epsilon)
-        self.svt_queries += 1
-        return score + self._laplace(4 * self.svt_sensitivity / self.svt_epsilon) >= self.noisy_threshold
+    @property
+    def svt_queries(self) -> int:
+        return self.svt.queries
 
     def pre_step(self, closure=None) -> bool:
         grads = self.unit_gradients()
@@ -128,7 +142,7 @@ class AUPOptimizer(UserDPOptimizer):
         n_tilde, tau = self.expected_batch_size, self.concentration_radius
         dist = pairwise_distances(grads) if n_units else torch.zeros((0, 0), dtype=torch.float64)
         score = float((dist <= tau).sum()) / n_tilde
-        if not self.above_threshold(score):
+        if not self.svt.query(score):
             self.halted, self.halted_at_query = True, self.svt_queries
             logger.warning(
                 "AUP-RLHF halted at AboveThreshold query %d (concentration score %.2f below the noisy threshold): "

@@ -1,0 +1,220 @@
+"""User-level label-DP estimators of θ* in the linear BTL model (AUP-RLHF §4–5 and its baselines).
+
+Every estimator protects all the labels of one user (n users × m comparisons; features public).
+The SGD-type ones run on Poisson-sampled users, project onto Θ_B after each step (post-processing)
+and return the average iterate; their noise comes from this package's dp-accounting calibration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import lru_cache
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..accountants import (
+    calibrate_noise_multiplier,
+    poisson_gaussian_event,
+    truncated_poisson_gaussian_event,
+)
+from ..mechanisms import UserRandomizedResponse
+from ..optimizers.aup_optimizer import AboveThreshold, keep_probabilities, pairwise_distances
+from .btl import BTLData, project_theta
+from .estimators import _sigmoid, objective_perturbation, rr_debiased_mle
+
+
+def _by_user(data: BTLData):
+    n = data.n_users
+    m = len(data.users) // n
+    if not np.array_equal(data.users, np.repeat(np.arange(n), m)):
+        raise ValueError("User-level linear estimators expect every user to have the same number of rows, grouped.")
+    return data.x.reshape(n, m, -1), data.y.reshape(n, m), m
+
+
+def user_gradients(theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Per-user averaged BTL gradients ``g_u = (1/m) Σ_j (σ(x_jᵀθ) − y_j) x_j`` for ``x`` [U, m, d]."""
+    return ((_sigmoid(x @ theta) - y)[..., None] * x).mean(axis=1)
+
+
+def user_rr_mle(data: BTLData, epsilon: float, *, rng: np.random.Generator, B: Optional[float] = None) -> np.ndarray:
+    """User-level randomized response (each label at ε/m) + the de-biased MLE (AUP-RLHF §4.1)."""
+    _, _, m = _by_user(data)
+    rr = UserRandomizedResponse(epsilon, m)
+    return rr_debiased_mle(data.x, rr.privatize_labels(data.y, rng), rr.epsilon_per_label, B=B)
+
+
+def user_objective_perturbation(
+    data: BTLData, epsilon: float, delta: float, *, rng: np.random.Generator, B: float
+) -> np.ndarray:
+    """Central objective perturbation (Chowdhury et al. §5.2) at user level: one user's m labels move
+    the gradient by at most m·2L, so L is replaced by m·L in the noise of Thm 5.2."""
+    _, _, m = _by_user(data)
+    return objective_perturbation(data.x, data.y, epsilon, delta, L=m * data.L, B=B, rng=rng)
+
+
+@lru_cache(maxsize=256)
+def _sigma_poisson(epsilon, delta, q, steps, group_size=None) -> float:
+    return calibrate_noise_multiplier(
+        lambda s: poisson_gaussian_event(s, q, steps), target_epsilon=epsilon, target_delta=delta,
+        accountant="pld", group_size=group_size, tol=1e-3,
+    )
+
+
+@lru_cache(maxsize=256)
+def _sigma_truncated(epsilon, delta, q, steps, n_users, n_max) -> float:
+    return calibrate_noise_multiplier(
+        lambda s: truncated_poisson_gaussian_event(s, q, steps, n_users, n_max), target_epsilon=epsilon,
+        target_delta=delta, accountant="pld", value_discretization_interval=1e-3, tol=1e-3,
+    )
+
+
+@dataclasses.dataclass
+class SGDResult:
+    theta: np.ndarray
+    steps_taken: int
+    halted: bool = False
+
+
+def _average(iterates) -> np.ndarray:
+    return np.mean(np.asarray(iterates), axis=0)
+
+
+def user_dpsgd(
+    data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, lr: float,
+    max_grad_norm: float, rng: np.random.Generator, B: float,
+) -> SGDResult:
+    """User-wise DP-SGD (AUP-RLHF Alg. 4; Chua et al. 2024): clip each sampled user's averaged
+    gradient to C, add N(0, σ²C²), divide by ñ; σ for T Poisson-subsampled steps at (ε, δ)."""
+    x, y, _ = _by_user(data)
+    n = len(x)
+    q = users_per_batch / n
+    sigma = _sigma_poisson(epsilon, delta, q, steps)
+    theta = project_theta(np.zeros(x.shape[-1]), B)
+    iterates = []
+    for _ in range(steps):
+        users = np.flatnonzero(rng.random(n) < q)
+        g = user_gradients(theta, x[users], y[users])
+        g *= np.minimum(1.0, max_grad_norm / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-12))
+        noisy = (g.sum(0) + rng.normal(0, sigma * max_grad_norm, theta.shape)) / users_per_batch
+        theta = project_theta(theta - lr * noisy, B)
+        iterates.append(theta)
+    return SGDResult(_average(iterates), steps)
+
+
+def group_dpsgd(
+    data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, lr: float,
+    max_grad_norm: float, rng: np.random.Generator, B: float,
+) -> SGDResult:
+    """Item-level DP-SGD made user-level by group privacy over a user's m records (Chua et al.
+    2024 baseline): records Poisson-sampled at the users' rate q, each clipped to C, noise σC with σ
+    calibrated so that the group conversion gives (ε, δ) per user."""
+    x, y, m = _by_user(data)
+    xs, ys = data.x, data.y
+    q = users_per_batch / len(x)
+    sigma = _sigma_poisson(epsilon, delta, q, steps, group_size=m)
+    theta = project_theta(np.zeros(xs.shape[-1]), B)
+    iterates = []
+    expected = q * len(xs)
+    for _ in range(steps):
+        rows = np.flatnonzero(rng.random(len(xs)) < q)
+        g = (_sigmoid(xs[rows] @ theta) - ys[rows])[:, None] * xs[rows]
+        g *= np.minimum(1.0, max_grad_norm / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-12))
+        noisy = (g.sum(0) + rng.normal(0, sigma * max_grad_norm, theta.shape)) / expected
+        theta = project_theta(theta - lr * noisy, B)
+        iterates.append(theta)
+    return SGDResult(_average(iterates), steps)
+
+
+def theorem4_tau(L: float, n: int, d: int, m: int, epsilon: float, steps: int, delta: float) -> float:
+    """AUP-RLHF Thm 4: ``τ = 4L·log(n d m e^ε T/δ)/√m``."""
+    return 4 * L * (math.log(n * d * m * steps / delta) + epsilon) / math.sqrt(m)
+
+
+def theorem4_lr(L: float, B: float, n: int, d: int, m: int, epsilon: float, steps: int, delta: float) -> float:
+    """AUP-RLHF Thm 4: ``η = (B/4L)·min{√m·n·ε/(T·√(d·log²(mnd/δ))), T^{-3/4}, √(nm)/T}``."""
+    return (B / (4 * L)) * min(
+        math.sqrt(m) * n * epsilon / (steps * math.sqrt(d) * math.log(m * n * d / delta)),
+        steps ** -0.75,
+        math.sqrt(n * m) / steps,
+    )
+
+
+def aup_rlhf(
+    data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, rng: np.random.Generator,
+    B: float, tau: Optional[float] = None, lr: Optional[float] = None, max_users_per_batch: Optional[int] = None,
+    svt_fraction: float = 0.5, phases: int = 1, phase_sizes: str = "all",
+) -> SGDResult:
+    """AUP-RLHF (Alg. 1 with k = ``phases`` over disjoint user sets; Alg. 2 in each), with the same
+    mechanism as :class:`~trl_userdp.optimizers.AUPOptimizer` (SPEC §2 M4's sensitivity correction,
+    truncated Poisson sampling). ``tau`` and ``lr`` default to Thm 4's choices.
+    ``phase_sizes="paper"``: phase i has n/2^{k+1−i} users (Alg. 1 as written: for k = 1, half the
+    users); ``"all"``: the same geometric split rescaled to use every user. The users of each phase
+    are disjoint, so the run is (ε, δ) by parallel composition; each phase starts from the last."""
+    x_all, y_all, m = _by_user(data)
+    n_all, d = len(x_all), x_all.shape[-1]
+    weights = np.array([2.0 ** -(phases + 1 - i) for i in range(1, phases + 1)])
+    if phase_sizes == "all":
+        weights = weights / weights.sum()
+    elif phase_sizes != "paper":
+        raise ValueError(f"phase_sizes must be 'all' or 'paper', got {phase_sizes!r}.")
+    order = rng.permutation(n_all)
+    bounds = np.concatenate([[0], np.cumsum(np.floor(weights * n_all).astype(int))])
+    theta = project_theta(np.zeros(d), B)
+    total_steps = 0
+    for i in range(phases):
+        users = order[bounds[i] : bounds[i + 1]]
+        result = _aup_phase(
+            theta, x_all[users], y_all[users], epsilon, delta, users_per_batch=min(users_per_batch, len(users)),
+            steps=steps, rng=rng, B=B, L=data.L, m=m, tau=tau, lr=lr, max_users_per_batch=max_users_per_batch,
+            svt_fraction=svt_fraction,
+        )
+        theta, total_steps = result.theta, total_steps + result.steps_taken
+        if result.halted:
+            return SGDResult(theta, total_steps, halted=True)
+    return SGDResult(theta, total_steps)
+
+
+def _aup_phase(theta, x, y, epsilon, delta, *, users_per_batch, steps, rng, B, L, m, tau, lr, max_users_per_batch,
+               svt_fraction) -> SGDResult:
+    n, d = len(x), x.shape[-1]
+    tau = theorem4_tau(L, n, d, m, epsilon, steps, delta) if tau is None else tau
+    lr = theorem4_lr(L, B, n, d, m, epsilon, steps, delta) if lr is None else lr
+    n_tilde = users_per_batch
+    n_max = max_users_per_batch or int(math.ceil(n_tilde + 4 * math.sqrt(n_tilde)))
+    n_max = min(n_max, n)
+    q = n_tilde / n
+    eps_svt = svt_fraction * epsilon
+    sigma = _sigma_truncated(epsilon - eps_svt, delta / 2, q, steps, n, n_max)
+    noise_std = tau * sigma * math.sqrt(8 * (epsilon + math.log(steps / delta))) / n_tilde
+    svt = AboveThreshold(4 * n_tilde / 5, eps_svt, (2 * n_max - 1) / n_tilde,
+                         torch.Generator().manual_seed(int(rng.integers(2**62))))
+    iterates = []
+    for t in range(steps):
+        users = np.flatnonzero(rng.random(n) < q)
+        if len(users) > n_max:
+            users = np.sort(rng.choice(users, n_max, replace=False))
+        g = user_gradients(theta, x[users], y[users])
+        dist = pairwise_distances([torch.from_numpy(g)])
+        if not svt.query(float((dist <= tau).sum()) / n_tilde):
+            return SGDResult(_average(iterates) if iterates else theta, t, halted=True)
+        keep = rng.random(len(users)) < keep_probabilities(dist, tau, n_tilde).numpy()
+        mean = g[keep].mean(0) if keep.any() else np.zeros(d)
+        theta = project_theta(theta - lr * (mean + rng.normal(0, noise_std, d)), B)
+        iterates.append(theta)
+    return SGDResult(_average(iterates), steps)
+
+
+__all__ = [
+    "SGDResult",
+    "aup_rlhf",
+    "group_dpsgd",
+    "theorem4_lr",
+    "theorem4_tau",
+    "user_dpsgd",
+    "user_gradients",
+    "user_objective_perturbation",
+    "user_rr_mle",
+]

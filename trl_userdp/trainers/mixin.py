@@ -1,0 +1,277 @@
+"""What the user-level DP trainers share (SPEC §5, §6): one mixin placed before the TRL trainer.
+
+* ``randomized_response``: labels privatized once before TRL's preprocessing; the trainer's loss
+  becomes the de-biased one (set by each trainer).
+* ``user_dpsgd`` / ``group`` / ``aup``: on the first ``get_train_dataloader`` the model and the
+  Trainer's optimizer go through :class:`~trl_userdp.PrivacyEngine` (or the adaptive engine): the
+  train loader becomes a user-level Poisson loader whose dict batches carry each row's user,
+  ``compute_loss`` hands that map to the per-user hooks, and ``optimizer.step()`` is private.
+* Logs: ε and δ at every logging step; no raw ``grad_norm``; under DP, no training metrics computed
+  on private batches (loss, accuracy, rewards, token counts) unless ``log_private_metrics=True``.
+* ``privacy_report.json`` with every checkpoint and the final model; the accountant (and AUP's
+  AboveThreshold state) saved in checkpoints and restored on resume; a callback stops training
+  before a step the budget cannot pay for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Dict, Optional
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..accountants import PrivacyReport
+from ..adaptive_engine import AdaptiveUserPrivacyEngine
+from ..data import resolve_user_ids
+from ..mechanisms import UserRandomizedResponse
+from ..privacy_engine import PrivacyEngine
+from .privacy_config import GRADIENT_MECHANISMS
+
+logger = logging.getLogger(__name__)
+
+#: Key under which dict batches carry each row's user (popped before the model sees the batch).
+USER_KEY = "_trl_userdp_row_users"
+PRIVACY_STATE_FILE = "privacy_state.pt"
+#: Training-log keys that are not statistics of private batches.
+PUBLIC_LOG_KEYS = {"epsilon", "delta", "learning_rate", "epoch", "privacy_steps", "aup_halted"}
+
+
+class PrivacyBudgetCallback(TrainerCallback):
+    """Stops training before a step the budget cannot pay for, or after AUP-RLHF halts."""
+
+    def __init__(self, trainer: "UserDPTrainerMixin"):
+        self.trainer = trainer
+
+    def _check(self, control):
+        engine = self.trainer.privacy_engine
+        if engine is None:
+            return control
+        halted = getattr(engine.optimizer, "halted", False)
+        if halted or not engine.budget_allows_step():
+            if not control.should_training_stop:
+                logger.warning(
+                    "Stopping: %s after %d private steps (ε = %.4g at δ = %g).",
+                    "AUP-RLHF halted" if halted else "the privacy budget allows no further step",
+                    engine.accountant.steps_taken, engine.get_epsilon(self.trainer.args.target_delta),
+                    self.trainer.args.target_delta,
+                )
+            control.should_training_stop = True
+        return control
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        return self._check(control)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        return self._check(control)
+
+
+class UserDPTrainerMixin:
+    """Mixed in before a TRL trainer class; see the module docstring."""
+
+    #: rows the trainer's collator emits per example ([chosen; rejected] for preference trainers)
+    rows_per_example = 2
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _privatize_labels(self, train_dataset, args):
+        """For ``randomized_response``: flip the labels once, before TRL tokenizes the dataset."""
+        self.rr_report: Optional[PrivacyReport] = None
+        self.randomized_response: Optional[UserRandomizedResponse] = None
+        if args.privacy_mechanism != "randomized_response":
+            return train_dataset
+        self.randomized_response = UserRandomizedResponse(
+            args.target_epsilon, args.max_samples_per_user, seed=args.seed
+        )
+        train_dataset, self.rr_report = self.randomized_response.privatize(train_dataset, user_column=args.user_column)
+        logger.info("Randomized response: %d of %d labels flipped (ε = %g per user).",
+                    self.rr_report.extra["labels_changed"], len(train_dataset), args.target_epsilon)
+        return train_dataset
+
+    def _init_privacy(self) -> None:
+        """After the TRL trainer's ``__init__``: check the user column, add the budget callback."""
+        self.privacy_engine = None
+        self._restored_privacy_state: Optional[Dict[str, Any]] = None
+        if self.args.privacy_mechanism in GRADIENT_MECHANISMS:
+            resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
+            if self.accelerator.num_processes > 1:
+                raise ValueError(
+                    "User-level DP training across several processes is not supported yet: the per-user sums are not "
+                    "all-reduced before clipping. Train on one process."
+                )
+            self.add_callback(PrivacyBudgetCallback(self))
+
+    @property
+    def _dp_active(self) -> bool:
+        return self.args.privacy_mechanism in GRADIENT_MECHANISMS
+
+    def _make_private(self) -> None:
+        args = self.args
+        if self.optimizer is None:
+            self.create_optimizer()
+        users_per_batch = args.users_per_batch or float(args.per_device_train_batch_size)
+        common = dict(
+            module=self.model,
+            optimizer=self.optimizer,
+            data_loader=DataLoader(self.train_dataset, collate_fn=self.data_collator,
+                                   num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory),
+            target_epsilon=args.target_epsilon,
+            target_delta=args.target_delta,
+            max_samples_per_user=args.max_samples_per_user,
+            users_per_batch=users_per_batch,
+            user_column=args.user_column,
+            rows_per_example=self.rows_per_example,
+            bounding_seed=args.seed,
+            sampling_seed=args.seed,
+            user_key=USER_KEY,
+        )
+        length = dict(steps=args.max_steps) if args.max_steps > 0 else dict(epochs=args.num_train_epochs)
+        if args.privacy_mechanism == "aup":
+            engine = AdaptiveUserPrivacyEngine(neighboring_relation=args.neighboring_relation)
+            _, optimizer, loader = engine.make_private_user_level(
+                concentration_radius=args.concentration_radius, max_users_per_batch=args.max_users_per_batch,
+                svt_fraction=args.svt_fraction, **common, **length,
+            )
+        else:
+            engine = PrivacyEngine(accountant=args.accountant, neighboring_relation=args.neighboring_relation)
+            if args.noise_multiplier is not None:
+                common.update(target_epsilon=None, noise_multiplier=args.noise_multiplier, target_delta=None)
+            _, optimizer, loader = engine.make_private_user_level(
+                max_grad_norm=args.per_user_max_grad_norm,
+                mechanism="group" if args.privacy_mechanism == "group" else "user_dpsgd",
+                group_accounting=args.group_accounting, **common, **length,
+            )
+        if self._restored_privacy_state is not None:
+            self._apply_privacy_state(engine, self._restored_privacy_state)
+        self.privacy_engine, self.optimizer, self._private_loader = engine, optimizer, loader
+        logger.info("User-level DP (%s): n=%d users, q=%.4g, σ=%.4g, %d rows dropped by contribution bounding.",
+                    args.privacy_mechanism, loader.n_users, loader.sample_rate, optimizer.noise_multiplier,
+                    engine.bounding.rows_dropped)
+
+    # -- Trainer extension points ---------------------------------------------------------------
+    def get_train_dataloader(self):
+        if not self._dp_active:
+            return super().get_train_dataloader()
+        if self.privacy_engine is None:
+            self._make_private()
+        return self._private_loader
+
+    def create_optimizer(self, model=None):
+        if self._dp_active and self.privacy_engine is not None:
+            return self.optimizer  # already the private optimizer
+        return super().create_optimizer(model) if model is not None else super().create_optimizer()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        row_users = inputs.pop(USER_KEY, None)
+        if self._dp_active and model.training:
+            if row_users is None:
+                raise ValueError("A training batch came without its row -> user map; use the trainer's own train loader.")
+            self.privacy_engine.hooks.set_row_users(row_users.cpu())
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._dp_active and inputs["input_ids"].shape[0] == 0:
+            # A step with no sampled user: no forward pass (models fail on zero rows); the optimizer still
+            # takes its noise-only step, and the accountant counts it.
+            inputs.pop(USER_KEY, None)
+            self.privacy_engine.hooks.set_row_users(torch.zeros(0, dtype=torch.long))
+            return torch.zeros((), device=self.args.device)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Never compute or log the norm of the raw, non-private gradient."""
+        return None
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        logs = dict(logs)
+        logs.pop("grad_norm", None)
+        training = not any(k.startswith("eval_") for k in logs)
+        private = self.args.privacy_mechanism != "none"
+        if private and training and not self.args.log_private_metrics:
+            if hasattr(self, "_metrics"):
+                self._metrics["train"].clear()  # TRL's batch statistics (rewards, accuracy, logps, tokens)
+            logs = {k: v for k, v in logs.items() if k in PUBLIC_LOG_KEYS}
+        if private:
+            logs["epsilon"] = self.current_epsilon()
+            logs["delta"] = self.args.target_delta if self._dp_active else 0.0
+            if self._dp_active and self.privacy_engine is not None:
+                logs["privacy_steps"] = self.privacy_engine.accountant.steps_taken
+        super().log(logs, start_time)
+
+    # -- privacy state: report, checkpoints, resume --------------------------------------------
+    def current_epsilon(self) -> float:
+        if self.args.privacy_mechanism == "randomized_response":
+            return float(self.args.target_epsilon)
+        if self.args.privacy_mechanism == "none":
+            return math.inf
+        if self.privacy_engine is None:
+            return 0.0
+        return float(self.privacy_engine.get_epsilon(self.args.target_delta))
+
+    def privacy_report(self) -> PrivacyReport:
+        """What this run has spent so far."""
+        mech = self.args.privacy_mechanism
+        if mech == "randomized_response":
+            return self.rr_report
+        if mech == "none":
+            return PrivacyReport(
+                mechanism="none", n_users=0, max_samples_per_user=None, sample_rate=None, noise_multiplier=None,
+                steps=None, steps_taken=self.state.global_step, accountant="none", epsilon=math.inf, delta=0.0,
+            )
+        if self.privacy_engine is None:
+            raise ValueError("No private step has been set up yet (call train()).")
+        return self.privacy_engine.privacy_report(self.args.target_delta)
+
+    def _write_privacy_files(self, output_dir: str, with_state: bool) -> None:
+        if not self.is_world_process_zero():
+            return
+        if self.args.privacy_mechanism in GRADIENT_MECHANISMS and self.privacy_engine is None:
+            return
+        report = self.privacy_report()
+        report.save(output_dir)
+        self.model.privacy_report = report  # travels with the model object (e.g. into online RL)
+        if with_state and self.privacy_engine is not None:
+            torch.save(self._privacy_state(), os.path.join(output_dir, PRIVACY_STATE_FILE))
+
+    def _privacy_state(self) -> Dict[str, Any]:
+        engine = self.privacy_engine
+        state = {"accountant": engine.accountant.state_dict()}
+        svt = getattr(engine.optimizer, "svt", None)
+        if svt is not None:
+            state["svt"] = {"noisy_threshold": svt.noisy_threshold, "queries": svt.queries,
+                            "halted": engine.optimizer.halted, "halted_at_query": engine.optimizer.halted_at_query}
+        return state
+
+    @staticmethod
+    def _apply_privacy_state(engine, state: Dict[str, Any]) -> None:
+        engine.accountant.load_state_dict(state["accountant"])
+        if "svt" in state:
+            opt = engine.optimizer
+            opt.svt.noisy_threshold = state["svt"]["noisy_threshold"]  # the run's one threshold, not a new draw
+            opt.svt.queries = state["svt"]["queries"]
+            opt.halted, opt.halted_at_query = state["svt"]["halted"], state["svt"]["halted_at_query"]
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        checkpoint = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._write_privacy_files(checkpoint, with_state=True)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        self._write_privacy_files(output_dir or self.args.output_dir, with_state=False)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, PRIVACY_STATE_FILE)
+        if self._dp_active:
+            if not os.path.isfile(path):
+                raise ValueError(f"{resume_from_checkpoint} has no {PRIVACY_STATE_FILE}: resuming would reset the accountant.")
+            state = torch.load(path, weights_only=False)
+            if self.privacy_engine is None:
+                self._restored_privacy_state = state
+            else:
+                self._apply_privacy_state(self.privacy_engine, state)
+

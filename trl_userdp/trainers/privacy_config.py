@@ -1,0 +1,113 @@
+"""Privacy fields shared by the trainer configs (SPEC §5), as a dataclass mixed into TRL's configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+from ..accountants.accountant import ACCOUNTANTS_BY_NAME
+from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_noise_multiplier, check_positive
+
+logger = logging.getLogger(__name__)
+
+PRIVACY_MECHANISMS = ("user_dpsgd", "aup", "group", "randomized_response", "none")
+#: mechanisms that train with per-user gradients, noise and an accountant
+GRADIENT_MECHANISMS = ("user_dpsgd", "aup", "group")
+
+
+@dataclasses.dataclass
+class UserDPArguments:
+    """User-level DP settings. The privacy unit is the user named in ``user_column``.
+
+    ``privacy_mechanism``: ``"user_dpsgd"`` (clip each user's averaged gradient, Gaussian noise),
+    ``"aup"`` (AUP-RLHF; needs ``concentration_radius``), ``"group"`` (item-level DP-SGD with
+    group-privacy accounting), ``"randomized_response"`` (labels privatized once, then the de-biased
+    loss: pure ε, labels only) or ``"none"`` (plain TRL training, for baselines).
+    """
+
+    privacy_mechanism: str = dataclasses.field(
+        default="user_dpsgd", metadata={"help": f"One of {PRIVACY_MECHANISMS}.", "choices": list(PRIVACY_MECHANISMS)}
+    )
+    target_epsilon: Optional[float] = dataclasses.field(
+        default=8.0, metadata={"help": "User-level ε for the whole run (σ is calibrated to it). Set None to give noise_multiplier."}
+    )
+    target_delta: float = dataclasses.field(default=1e-5, metadata={"help": "δ; keep it below 1/n_users."})
+    noise_multiplier: Optional[float] = dataclasses.field(
+        default=None, metadata={"help": "σ, instead of target_epsilon (user_dpsgd and group only)."}
+    )
+    per_user_max_grad_norm: float = dataclasses.field(
+        default=1.0, metadata={"help": "C: bound on each user's averaged gradient (a record's, for group)."}
+    )
+    max_samples_per_user: int = dataclasses.field(
+        default=10, metadata={"help": "m: rows a user may contribute; extra rows are dropped once, seeded."}
+    )
+    users_per_batch: Optional[float] = dataclasses.field(
+        default=None, metadata={"help": "Expected users per step ñ (default: per_device_train_batch_size)."}
+    )
+    user_column: str = dataclasses.field(default="user_id", metadata={"help": "Column naming each row's user."})
+    concentration_radius: Optional[float] = dataclasses.field(
+        default=None, metadata={"help": "τ for privacy_mechanism='aup'."}
+    )
+    max_users_per_batch: Optional[int] = dataclasses.field(
+        default=None, metadata={"help": "ñ_max, AUP's truncation (default ñ + 4√ñ)."}
+    )
+    svt_fraction: float = dataclasses.field(default=0.5, metadata={"help": "Share of ε for AUP's AboveThreshold."})
+    accountant: str = dataclasses.field(default="pld", metadata={"help": "dp-accounting accountant: 'pld' or 'rdp'."})
+    neighboring_relation: str = dataclasses.field(
+        default="add_or_remove", metadata={"help": "'add_or_remove' or 'replace' one user."}
+    )
+    group_accounting: str = dataclasses.field(
+        default="conversion", metadata={"help": "For privacy_mechanism='group': 'conversion' or 'els'."}
+    )
+    log_private_metrics: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Also log training loss/accuracy/rewards: statistics of private data without noise."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_privacy_fields()
+
+    def _validate_privacy_fields(self) -> None:
+        if self.privacy_mechanism not in PRIVACY_MECHANISMS:
+            raise ValueError(f"privacy_mechanism must be one of {PRIVACY_MECHANISMS}, got {self.privacy_mechanism!r}.")
+        if self.privacy_mechanism == "none":
+            return
+        check_max_samples_per_user(self.max_samples_per_user)
+        if self.accountant not in ACCOUNTANTS_BY_NAME:
+            raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS_BY_NAME)}, got {self.accountant!r}.")
+        if self.noise_multiplier is not None and self.target_epsilon is not None:
+            if self.privacy_mechanism in ("user_dpsgd", "group"):
+                raise ValueError("Give target_epsilon or noise_multiplier, not both (set target_epsilon=None).")
+        if self.noise_multiplier is None or self.privacy_mechanism in ("aup", "randomized_response"):
+            check_epsilon(self.target_epsilon, "target_epsilon")
+        else:
+            check_noise_multiplier(self.noise_multiplier)
+        check_delta(self.target_delta, "target_delta")
+        if self.privacy_mechanism not in GRADIENT_MECHANISMS:
+            return
+        check_positive(self.per_user_max_grad_norm, "per_user_max_grad_norm")
+        if self.privacy_mechanism == "aup":
+            check_positive(self.concentration_radius, "concentration_radius")
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "gradient_accumulation_steps must be 1 under user-level DP: each optimizer step must use exactly one "
+                "Poisson draw of users (raise users_per_batch for larger steps)."
+            )
+        if getattr(self, "padding_free", False):
+            raise ValueError("padding_free=True packs several users' rows into one: set padding_free=False under DP.")
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            logger.warning("max_grad_norm=%s would clip the raw gradient; set to 0 (DP clips per user).", self.max_grad_norm)
+            self.max_grad_norm = 0.0
+        # transformers 5 names it activation_checkpointing; gradient_checkpointing mirrors it
+        name = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
+        if getattr(self, name):
+            kwargs = getattr(self, f"{name}_kwargs") or {}
+            if kwargs.get("use_reentrant") is not True:
+                logger.warning(
+                    "gradient_checkpointing=True (TRL's default) in non-reentrant mode loses per-sample gradients; "
+                    "turned off. Use gradient_checkpointing_kwargs={'use_reentrant': True} to keep it."
+                )
+                setattr(self, name, False)
+                self.gradient_checkpointing = False
