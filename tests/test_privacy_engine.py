@@ -113,6 +113,28 @@ def test_target_epsilon_calibrates_and_the_budget_guard_stops_at_the_plan():
     assert 2.97 <= engine.get_epsilon(1e-5) <= 3.0
 
 
+def test_a_fixed_sigma_with_a_target_trains_until_the_budget_is_spent():
+    dataset, user_ids = _linear_task()
+    model = torch.nn.Linear(5, 1)
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
+        noise_multiplier=1.0, target_epsilon=2.0, target_delta=1e-5, max_grad_norm=1.0, max_samples_per_user=5,
+        users_per_batch=6, user_ids=user_ids,
+    )
+    taken = 0
+    with pytest.raises(trl_userdp.PrivacyBudgetExhausted):
+        for _ in range(100):
+            for x, y in loader:
+                optimizer.zero_grad(); _loss(model(x), y).backward(); optimizer.step(); taken += 1  # noqa: E702
+    q = 6 / 30
+    independent = rdp.RdpAccountant(orders=RDP_ORDERS)
+    assert engine.get_epsilon(1e-5) <= 2.0
+    one_more = independent.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(1.0)), taken + 1))
+    assert one_more.get_epsilon(1e-5) > 2.0  # the last affordable step, not an earlier one
+    assert taken == engine.accountant.steps_taken
+
+
 @pytest.mark.parametrize("group_accounting", ["conversion", "els"])
 def test_group_baseline_accounts_records_through_group_privacy(group_accounting):
     engine, model, optimizer, loader, _ = make_private(
@@ -209,7 +231,8 @@ def test_wrong_per_sample_gradients_refuse_to_train(model, match):
         (dict(noise_multiplier=None, target_epsilon=0.0, target_delta=1e-5, epochs=1), "target_epsilon"),
         (dict(noise_multiplier=None, target_epsilon=3.0, target_delta=1.0, epochs=1), "target_delta"),
         (dict(noise_multiplier=None, target_epsilon=3.0, target_delta=1e-5), "epochs"),
-        (dict(target_epsilon=3.0, target_delta=1e-5, epochs=1), "exactly one"),
+        (dict(noise_multiplier=None), "Give `noise_multiplier`, or `target_epsilon`"),
+        (dict(target_epsilon=-3.0, target_delta=1e-5), "target_epsilon"),
         (dict(max_samples_per_user=0), "max_samples_per_user"),
         (dict(users_per_batch=31), "exceeds the number of users"),
         (dict(max_grad_norm=0.0), "max_grad_norm"),

@@ -9,6 +9,24 @@ from .privacy_engine import PrivacyEngine
 
 __version__ = "0.1.0.dev0"
 
+#: Trainer names, imported on first use (they pull in transformers' Trainer and TRL).
+_TRAINERS = (
+    "UserDPDPOConfig",
+    "UserDPDPOTrainer",
+    "UserDPGRPOTrainer",
+    "UserDPRLOOTrainer",
+    "UserDPRewardConfig",
+    "UserDPRewardTrainer",
+)
+
+
+def __getattr__(name: str):
+    if name in _TRAINERS:
+        from . import trainers
+
+        return getattr(trainers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "AUPOptimizer",
     "AdaptiveUserPrivacyEngine",
@@ -19,6 +37,7 @@ __all__ = [
     "UserDataLoader",
     "UserGradSampleHooks",
     "__version__",
+    *_TRAINERS,
     "bound_contributions",
     "propose_concentration_radius",
 ]

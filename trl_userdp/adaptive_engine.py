@@ -99,6 +99,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         self.svt_epsilon = svt_fraction * target_epsilon
         gaussian_budget = (target_epsilon - self.svt_epsilon, target_delta / 2)
         sigma = self._calibrate(*gaussian_budget, loader.sample_rate, total_steps)
+        self._calibrated = True
         hooks = self._attach_hooks(module, grad_sample_mode)
         aup = AUPOptimizer(
             optimizer,

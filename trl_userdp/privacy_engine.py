@@ -69,6 +69,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.planned_steps: Optional[int] = None
         #: (ε, δ) the accountant may reach; the budget guard refuses steps beyond it
         self.budget: Optional[Tuple[float, float]] = None
+        self._calibrated = False  # σ was calibrated to the budget over planned_steps
+        self._affordable: Optional[int] = None
         self._position_hook = None
 
     def make_private_user_level(
@@ -99,9 +101,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> Tuple[nn.Module, UserDPOptimizer, UserDataLoader]:
         """Make ``(module, optimizer, data_loader)`` user-level private.
 
-        Give either ``noise_multiplier`` or ``target_epsilon`` + ``target_delta`` + ``epochs``/``steps``
-        (σ is then calibrated with this engine's accountant, and the optimizer refuses steps beyond the
-        plan). ``data_loader`` supplies the dataset and collate function; it is replaced by a
+        Give ``noise_multiplier``, or ``target_epsilon`` + ``target_delta`` + ``epochs``/``steps`` (σ is
+        then calibrated with this engine's accountant for that many steps), or both ``noise_multiplier``
+        and ``target_epsilon``/``target_delta`` (σ fixed, ε capped). With a target the optimizer refuses
+        any step that would exceed it (:meth:`budget_allows_step`). ``data_loader`` supplies the dataset and collate function; it is replaced by a
         :class:`~trl_userdp.data.UserDataLoader` over the contribution-bounded dataset (at most
         ``max_samples_per_user`` rows per user, a seeded draw). ``user_ids`` (one per row) or a
         ``user_column`` of a ``datasets.Dataset`` say who wrote each row; ``rows_per_example=2`` for
@@ -119,12 +122,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if group_accounting not in GROUP_ACCOUNTING:
             raise ValueError(f"group_accounting must be one of {GROUP_ACCOUNTING}, got {group_accounting!r}.")
         check_positive(max_grad_norm, "max_grad_norm")
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise ValueError("Give exactly one of `noise_multiplier` or `target_epsilon` (with `target_delta`).")
-        if target_epsilon is None:
-            check_noise_multiplier(noise_multiplier)
-        else:
+        if noise_multiplier is None and target_epsilon is None:
+            raise ValueError("Give `noise_multiplier`, or `target_epsilon` with `target_delta` (or both: a fixed σ with a cap).")
+        if noise_multiplier is None:
             self._check_target(target_epsilon, target_delta, epochs, steps)
+        else:
+            check_noise_multiplier(noise_multiplier)
+            if target_epsilon is not None:
+                check_epsilon(target_epsilon)
+                check_delta(target_delta)
         if mechanism == "group" and group_accounting == "els" and self.accountant.kind != "pld":
             raise ValueError("ELS accounting needs the PLD accountant: PrivacyEngine(accountant='pld').")
         m = self._check_model(module, optimizer, grad_sample_mode, max_samples_per_user)
@@ -139,7 +145,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             els=mechanism == "group" and group_accounting == "els",
         )
         total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, loader.sample_rate)
-        if target_epsilon is not None:
+        self._calibrated = noise_multiplier is None
+        if self._calibrated:
             noise_multiplier = self._calibrate(target_epsilon, target_delta, loader.sample_rate, total_steps)
         hooks = self._attach_hooks(module, grad_sample_mode)
         dp_optimizer = UserDPOptimizer(
@@ -255,11 +262,37 @@ class PrivacyEngine(opacus.PrivacyEngine):
         step = (self.optimizer.noise_multiplier, self.data_loader.sample_rate)
         history = self.accountant.history
         if all((s, q) == step for s, q, _ in history):
-            return self.accountant.steps_taken < self.planned_steps
+            return self.accountant.steps_taken < self.affordable_steps()
         trial = self.accountant.spawn()
         trial.history = list(history)
         trial.step(noise_multiplier=step[0], sample_rate=step[1])
         return trial.get_epsilon(delta) <= eps
+
+    def affordable_steps(self) -> int:
+        """Most steps at this run's (σ, q) within the budget: the planned T when σ was calibrated to it,
+        otherwise found by search (once) with the engine's accountant."""
+        if self.planned_steps is not None and self._calibrated:
+            return self.planned_steps
+        if self._affordable is None:
+            eps, delta = self.budget
+            sigma, q = self.optimizer.noise_multiplier, self.data_loader.sample_rate
+
+            def eps_after(t: int) -> float:
+                trial = self.accountant.spawn()
+                trial.history = [(sigma, q, t)]
+                return trial.get_epsilon(delta)
+
+            if eps_after(1) > eps:
+                self._affordable = 0
+            else:
+                lo, hi = 1, 2
+                while eps_after(hi) <= eps and hi < 10**7:
+                    lo, hi = hi, 2 * hi
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if eps_after(mid) <= eps else (lo, mid)
+                self._affordable = lo
+        return self._affordable
 
     def _check_budget(self) -> None:
         """The optimizer's budget guard: refuse a step that would take ε past the budget."""

@@ -2,6 +2,7 @@
 
 from .dpo_config import UserDPDPOConfig
 from .dpo_trainer import UserDPDPOTrainer, unfuse_lm_head
+from .online import UserDPGRPOTrainer, UserDPRLOOTrainer, find_privacy_report
 from .privacy_config import GRADIENT_MECHANISMS, PRIVACY_MECHANISMS, UserDPArguments
 from .reward_config import UserDPRewardConfig
 from .reward_trainer import UserDPRewardTrainer
@@ -12,7 +13,10 @@ __all__ = [
     "UserDPArguments",
     "UserDPDPOConfig",
     "UserDPDPOTrainer",
+    "UserDPGRPOTrainer",
+    "UserDPRLOOTrainer",
     "UserDPRewardConfig",
     "UserDPRewardTrainer",
+    "find_privacy_report",
     "unfuse_lm_head",
 ]

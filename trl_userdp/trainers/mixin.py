@@ -137,8 +137,10 @@ class UserDPTrainerMixin:
             )
         else:
             engine = PrivacyEngine(accountant=args.accountant, neighboring_relation=args.neighboring_relation)
-            if args.noise_multiplier is not None:
-                common.update(target_epsilon=None, noise_multiplier=args.noise_multiplier, target_delta=None)
+            if args.noise_multiplier is not None:  # a fixed σ; target_epsilon (if any) caps the run
+                common.update(noise_multiplier=args.noise_multiplier)
+                if args.target_epsilon is None:
+                    common.update(target_delta=None)
             _, optimizer, loader = engine.make_private_user_level(
                 max_grad_norm=args.per_user_max_grad_norm,
                 mechanism="group" if args.privacy_mechanism == "group" else "user_dpsgd",

@@ -30,11 +30,13 @@ class UserDPArguments:
         default="user_dpsgd", metadata={"help": f"One of {PRIVACY_MECHANISMS}.", "choices": list(PRIVACY_MECHANISMS)}
     )
     target_epsilon: Optional[float] = dataclasses.field(
-        default=8.0, metadata={"help": "User-level ε for the whole run (σ is calibrated to it). Set None to give noise_multiplier."}
+        default=8.0,
+        metadata={"help": "User-level ε for the whole run: σ is calibrated to it, or, with noise_multiplier, it caps "
+                          "training (None: no cap)."},
     )
     target_delta: float = dataclasses.field(default=1e-5, metadata={"help": "δ; keep it below 1/n_users."})
     noise_multiplier: Optional[float] = dataclasses.field(
-        default=None, metadata={"help": "σ, instead of target_epsilon (user_dpsgd and group only)."}
+        default=None, metadata={"help": "A fixed σ (user_dpsgd and group); training stops when ε would pass target_epsilon."}
     )
     per_user_max_grad_norm: float = dataclasses.field(
         default=1.0, metadata={"help": "C: bound on each user's averaged gradient (a record's, for group)."}
@@ -77,13 +79,12 @@ class UserDPArguments:
         check_max_samples_per_user(self.max_samples_per_user)
         if self.accountant not in ACCOUNTANTS_BY_NAME:
             raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS_BY_NAME)}, got {self.accountant!r}.")
-        if self.noise_multiplier is not None and self.target_epsilon is not None:
-            if self.privacy_mechanism in ("user_dpsgd", "group"):
-                raise ValueError("Give target_epsilon or noise_multiplier, not both (set target_epsilon=None).")
         if self.noise_multiplier is None or self.privacy_mechanism in ("aup", "randomized_response"):
             check_epsilon(self.target_epsilon, "target_epsilon")
         else:
             check_noise_multiplier(self.noise_multiplier)
+            if self.target_epsilon is not None:
+                check_epsilon(self.target_epsilon, "target_epsilon")
         check_delta(self.target_delta, "target_delta")
         if self.privacy_mechanism not in GRADIENT_MECHANISMS:
             return

@@ -1,0 +1,40 @@
+"""TRL scripts written for trl.RewardTrainer / trl.DPOTrainer, parameterized only by the trainer and
+config classes (the drop-in contract: swap the classes, add a user_id column, nothing else)."""
+
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from ..tiny_models import text_preference_dataset, tiny_llama_lm, tiny_tokenizer
+
+COMMON = dict(per_device_train_batch_size=4, learning_rate=1e-3, report_to=[], use_cpu=True, bf16=False,
+              save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+
+
+def reward_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, **config):
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    args = config_cls(output_dir=output_dir, max_steps=steps, **{**COMMON, **config})
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset or text_preference_dataset(n_users=8, pairs_per_user=3),
+                          processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    trainer.save_model()
+    return trainer
+
+
+def dpo_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, tie=False, **config):
+    tokenizer = tiny_tokenizer()
+    policy = tiny_llama_lm(len(tokenizer), tie=tie)
+    reference = None if peft_config is not None else copy.deepcopy(policy)
+    args = config_cls(output_dir=output_dir, max_steps=steps, **{**COMMON, **config})
+    trainer = trainer_cls(model=policy, ref_model=reference, args=args,
+                          train_dataset=dataset or text_preference_dataset(n_users=8, pairs_per_user=3),
+                          processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    trainer.save_model()
+    return trainer

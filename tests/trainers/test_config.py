@@ -1,0 +1,66 @@
+"""Unsafe settings are rejected before training, or overridden with a warning where the safe value is
+unambiguous (issue 6, SPEC §6)."""
+
+import logging
+
+import pytest
+from datasets import Dataset
+
+from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
+
+from .scripts import COMMON, dpo_script, reward_script
+
+
+def _cfg(cls, **kw):
+    return cls(output_dir="unused", **{**COMMON, **kw})
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps must be 1"),
+        (dict(privacy_mechanism="laplace"), "privacy_mechanism must be one of"),
+        (dict(target_epsilon=0.0), "target_epsilon"),
+        (dict(target_delta=1.0), "target_delta"),
+        (dict(max_samples_per_user=0), "max_samples_per_user"),
+        (dict(privacy_mechanism="aup"), "concentration_radius"),
+        (dict(accountant="gdp"), "accountant must be one of"),
+        (dict(noise_multiplier=-1.0), "noise_multiplier"),
+    ],
+)
+def test_bad_configs_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(UserDPRewardConfig, **kwargs)
+
+
+def test_padding_free_and_batch_coupled_dpo_losses_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="padding_free"):
+        _cfg(UserDPDPOConfig, padding_free=True)
+    for loss in (["aot"], ["aot_unpaired"], ["sigmoid", "sft"]):
+        with pytest.raises(ValueError, match="couples the pairs"):
+            dpo_script(UserDPDPOTrainer, UserDPDPOConfig, str(tmp_path), loss_type=loss,
+                       loss_weights=[1.0] * len(loss))
+
+
+def test_unsafe_defaults_are_overridden_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = _cfg(UserDPRewardConfig, max_grad_norm=1.0, gradient_checkpointing=True)
+    assert cfg.max_grad_norm == 0.0 and cfg.gradient_checkpointing is False
+    assert "max_grad_norm" in caplog.text and "gradient_checkpointing" in caplog.text
+    kept = _cfg(UserDPRewardConfig, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert kept.gradient_checkpointing  # reentrant checkpointing keeps per-sample gradients
+    plain = _cfg(UserDPRewardConfig, privacy_mechanism="none", max_grad_norm=1.0)
+    assert plain.max_grad_norm == 1.0  # no privacy, no override
+
+
+def test_a_dataset_without_the_user_column_fails_at_construction(tmp_path):
+    no_users = Dataset.from_dict({"prompt": ["p"] * 4, "chosen": [" good"] * 4, "rejected": [" bad"] * 4})
+    with pytest.raises(ValueError, match="no user column 'user_id'"):
+        reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), dataset=no_users)
+
+
+def test_the_trainer_needs_its_own_config(tmp_path):
+    from trl import RewardConfig
+
+    with pytest.raises(ValueError, match="UserDPRewardConfig"):
+        reward_script(UserDPRewardTrainer, RewardConfig, str(tmp_path))

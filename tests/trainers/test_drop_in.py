@@ -1,0 +1,78 @@
+"""The drop-in contract (issue 6): TRL scripts run with our classes and a user_id column."""
+
+import json
+import os
+
+import dp_accounting as dpa
+import pytest
+import torch
+from dp_accounting import pld
+from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
+
+from trl_userdp import PrivacyReport
+from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
+
+from .scripts import dpo_script, reward_script
+
+CASES = [
+    (reward_script, RewardTrainer, RewardConfig, UserDPRewardTrainer, UserDPRewardConfig),
+    (dpo_script, DPOTrainer, DPOConfig, UserDPDPOTrainer, UserDPDPOConfig),
+]
+
+
+@pytest.mark.parametrize("script,trl_trainer,trl_config,our_trainer,our_config", CASES)
+def test_a_trl_script_runs_with_the_class_swap_only(tmp_path, script, trl_trainer, trl_config, our_trainer, our_config):
+    script(trl_trainer, trl_config, str(tmp_path / "trl"))  # the script is a valid TRL script
+    trainer = script(our_trainer, our_config, str(tmp_path / "ours"))
+    logs = trainer.state.log_history
+    assert all("epsilon" in entry for entry in logs)
+    report = PrivacyReport.load(str(tmp_path / "ours"))
+    assert report.mechanism == "user_dpsgd" and report.steps_taken == 4
+    assert report.epsilon == pytest.approx(trainer.privacy_engine.get_epsilon(1e-5))
+    assert logs[-1]["epsilon"] == pytest.approx(report.epsilon)
+    # independent dp-accounting computation from what the run used
+    q, sigma = report.sample_rate, report.noise_multiplier
+    independent = pld.PLDAccountant().compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), 4))
+    assert report.epsilon == pytest.approx(independent.get_epsilon(1e-5), rel=1e-9)
+    assert report.epsilon <= 8.0  # the default target_epsilon
+
+
+@pytest.mark.parametrize("script,trl_trainer,trl_config,our_trainer,our_config", CASES)
+def test_private_training_changes_the_parameters(tmp_path, script, trl_trainer, trl_config, our_trainer, our_config):
+    fresh = script(our_trainer, our_config, str(tmp_path / "zero"), steps=1, learning_rate=0.0, accountant="rdp")
+    trained = script(our_trainer, our_config, str(tmp_path / "ours"), steps=3, accountant="rdp")
+    changed = [not torch.equal(a, b) for a, b in zip(fresh.model.parameters(), trained.model.parameters())]
+    assert any(changed)
+
+
+def test_logs_and_saved_files_hold_no_raw_gradient_norm_or_private_metrics(tmp_path):
+    trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), steps=4, save_strategy="steps",
+                            save_steps=2, accountant="rdp")
+    for entry in trainer.state.log_history:
+        assert "grad_norm" not in entry and "loss" not in entry and "accuracy" not in entry
+        assert set(entry) <= {"epsilon", "delta", "privacy_steps", "learning_rate", "epoch", "step"}
+    keys = set()
+
+    def collect(obj):
+        if isinstance(obj, dict):
+            keys.update(obj)
+            for value in obj.values():
+                collect(value)
+        elif isinstance(obj, list):
+            for value in obj:
+                collect(value)
+
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            if name.endswith(".json"):
+                collect(json.load(open(os.path.join(root, name))))
+    assert "max_grad_norm" in keys  # the clip norm C is public and reported
+    assert "grad_norm" not in keys
+    assert os.path.isfile(tmp_path / "checkpoint-2" / "privacy_report.json")
+    # the opt-in shows private metrics (so this test can fail): they are computed on private batches
+    opted = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path / "opt"), steps=2, log_private_metrics=True,
+                          accountant="rdp")
+    assert any("loss" in entry for entry in opted.state.log_history)
+    assert not any("grad_norm" in entry for entry in opted.state.log_history)
+    state = json.load(open(tmp_path / "checkpoint-4" / "trainer_state.json"))
+    assert all("grad_norm" not in entry for entry in state["log_history"])

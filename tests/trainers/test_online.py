@@ -1,0 +1,62 @@
+"""Online RL on a private reward model is post-processing: it needs the reward model's privacy report,
+never sees preference labels, and carries the report to the policy (issue 6)."""
+
+import pytest
+from datasets import Dataset
+from trl import GRPOConfig, RLOOConfig
+
+from trl_userdp import PrivacyReport
+from trl_userdp.trainers import UserDPGRPOTrainer, UserDPRewardConfig, UserDPRewardTrainer, UserDPRLOOTrainer
+
+from ..tiny_models import tiny_llama_lm, tiny_tokenizer
+from .scripts import reward_script
+
+PROMPTS = Dataset.from_dict({"prompt": ["the movie was", "i loved the", "the plot"] * 2})
+ONLINE = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=6, max_steps=2, learning_rate=1e-3,
+              use_cpu=True, bf16=False, report_to=[], save_strategy="no", disable_tqdm=True, beta=0.0,
+              gradient_checkpointing=False, logging_steps=1)
+
+
+@pytest.fixture(scope="module")
+def private_reward(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm")
+    trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(out), steps=2, accountant="rdp")
+    return trainer.model, str(out)
+
+
+@pytest.mark.parametrize("trainer_cls,config_cls", [(UserDPGRPOTrainer, GRPOConfig), (UserDPRLOOTrainer, RLOOConfig)])
+def test_online_rl_runs_on_a_private_reward_model_and_carries_its_report(tmp_path, private_reward, trainer_cls, config_cls):
+    reward_model, reward_dir = private_reward
+    tokenizer = tiny_tokenizer()
+    policy = tiny_llama_lm(len(tokenizer))
+    trainer = trainer_cls(model=policy, reward_funcs=reward_model, args=config_cls(output_dir=str(tmp_path), **ONLINE),
+                          train_dataset=PROMPTS, processing_class=tokenizer, reward_processing_classes=tokenizer)
+    trainer.train()
+    trainer.save_model()
+    carried = PrivacyReport.load(str(tmp_path))
+    original = PrivacyReport.load(reward_dir)
+    assert carried.mechanism == "post-processing" and carried.epsilon == pytest.approx(original.epsilon)
+    assert carried.extra["reward_model_reports"][0]["mechanism"] == "user_dpsgd"
+    assert trainer.state.global_step == 2
+
+
+def test_a_reward_model_without_a_report_is_refused_unless_declared_public(tmp_path):
+    tokenizer = tiny_tokenizer()
+    unknown = tiny_llama_lm(len(tokenizer))
+    args = GRPOConfig(output_dir=str(tmp_path), **ONLINE)
+    with pytest.raises(ValueError, match="no privacy report"):
+        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=unknown, args=args, train_dataset=PROMPTS,
+                          processing_class=tokenizer)
+    length_reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=length_reward, args=args,
+                                train_dataset=PROMPTS, processing_class=tokenizer, reward_model_is_public=True)
+    assert trainer.carried_privacy_report().epsilon == 0.0
+
+
+def test_preference_labels_never_reach_the_online_trainer(tmp_path, private_reward):
+    tokenizer = tiny_tokenizer()
+    with_labels = PROMPTS.add_column("chosen", ["x"] * len(PROMPTS))
+    with pytest.raises(ValueError, match="prompts only"):
+        UserDPRLOOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
+                          args=RLOOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=with_labels,
+                          processing_class=tokenizer)

@@ -1,0 +1,104 @@
+"""Online RL on a user-level private reward model (the PPO stage of AUP-RLHF; TRL ≥ 1.13 ships RLOO
+and GRPO instead of PPO).
+
+Training a policy against a private reward model on public prompts is post-processing: it spends no
+new budget. These wrappers enforce the conditions that make that true — every reward model carries a
+privacy report (unless declared public), the prompts carry no preference labels — and write the
+carried-over report with the policy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Optional
+
+from trl import GRPOTrainer, RLOOTrainer
+
+from ..accountants import REPORT_FILENAME, PrivacyReport
+
+#: Columns that would hand the online trainer private preference labels.
+LABEL_COLUMNS = ("chosen", "rejected", "label", "rr_epsilon_per_label")
+
+
+def find_privacy_report(reward: Any) -> Optional[PrivacyReport]:
+    """The privacy report of a reward model: its ``privacy_report`` attribute (set by this package's
+    trainers), or ``privacy_report.json`` in the directory it was loaded from (or that a string names)."""
+    report = getattr(reward, "privacy_report", None)
+    if isinstance(report, PrivacyReport):
+        return report
+    if isinstance(report, dict):
+        return PrivacyReport.from_dict(report)
+    path = reward if isinstance(reward, str) else getattr(getattr(reward, "config", None), "_name_or_path", "")
+    if path and os.path.isfile(os.path.join(path, REPORT_FILENAME)):
+        return PrivacyReport.load(path)
+    return None
+
+
+class UserDPOnlineMixin:
+    """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`."""
+
+    def _check_private_inputs(self, reward_funcs, train_dataset, reward_model_is_public: bool) -> None:
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        self.reward_privacy_reports: List[PrivacyReport] = []
+        for func in funcs:
+            report = find_privacy_report(func)
+            if report is None and not reward_model_is_public:
+                name = func if isinstance(func, str) else getattr(func, "__name__", type(func).__name__)
+                raise ValueError(
+                    f"Reward {name!r} has no privacy report: train it with UserDPRewardTrainer (which attaches one and "
+                    "saves privacy_report.json), or pass reward_model_is_public=True if it saw no private data."
+                )
+            if report is not None:
+                self.reward_privacy_reports.append(report)
+        columns = set(getattr(train_dataset, "column_names", ()) or ())
+        leaked = sorted(columns & set(LABEL_COLUMNS))
+        if leaked:
+            raise ValueError(
+                f"The online-RL dataset has preference columns {leaked}: online RL must see prompts only, or the policy "
+                "would read private labels outside the accounted mechanism. Keep only the prompt column."
+            )
+
+    def carried_privacy_report(self) -> PrivacyReport:
+        """The policy's guarantee: that of its reward model(s), by post-processing (several private reward
+        models on the same users compose: their ε and δ add up)."""
+        reports = self.reward_privacy_reports
+        if not reports:
+            return PrivacyReport(mechanism="post-processing of public rewards", n_users=0, max_samples_per_user=None,
+                                 sample_rate=None, noise_multiplier=None, steps=None, steps_taken=self.state.global_step,
+                                 accountant="none", epsilon=0.0, delta=0.0)
+        first = reports[0]
+        return PrivacyReport(
+            mechanism="post-processing", n_users=first.n_users, max_samples_per_user=first.max_samples_per_user,
+            sample_rate=None, noise_multiplier=None, steps=None, steps_taken=self.state.global_step,
+            accountant="basic composition of the reward models' reports",
+            epsilon=sum(r.epsilon for r in reports), delta=sum(r.delta for r in reports),
+            neighboring_relation=first.neighboring_relation,
+            extra={"reward_model_reports": [r.to_dict() for r in reports], "online_trainer": type(self).__name__},
+        )
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        if self.is_world_process_zero():
+            report = self.carried_privacy_report()
+            report.save(output_dir or self.args.output_dir)
+            self.model.privacy_report = report
+
+
+class UserDPRLOOTrainer(UserDPOnlineMixin, RLOOTrainer):
+    """``trl.RLOOTrainer`` whose reward model(s) must be user-level private (or declared public);
+    extra keyword ``reward_model_is_public``."""
+
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, *rest, reward_model_is_public: bool = False,
+                 **kwargs):
+        self._check_private_inputs(reward_funcs, train_dataset, reward_model_is_public)
+        super().__init__(model, reward_funcs, args, train_dataset, *rest, **kwargs)
+
+
+class UserDPGRPOTrainer(UserDPOnlineMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` whose reward model(s) must be user-level private (or declared public);
+    extra keyword ``reward_model_is_public``."""
+
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, *rest, reward_model_is_public: bool = False,
+                 **kwargs):
+        self._check_private_inputs(reward_funcs, train_dataset, reward_model_is_public)
+        super().__init__(model, reward_funcs, args, train_dataset, *rest, **kwargs)
