@@ -34,6 +34,10 @@ def test_account_prints_the_calibrated_sigmas(capsys):
         (["account", "--users_per_batch", "5000"], "exceeds the number of users"),
         (["account", "--max_samples_per_user", "0"], "max_samples_per_user must be an integer >= 1"),
         (["fly"], "unknown command 'fly'"),
+        (["reward", "--privacy_mechanism", "laplace"], "privacy_mechanism must be one of"),
+        (["dpo", "--target_epsilon", "0"], "target_epsilon must be a finite number > 0"),
+        (["pipeline", "--mechanisms", "none", "magic"], "Unknown mechanism(s) ['magic']"),
+        (["bench", "nothing"], "bench needs a benchmark name"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(args, needle, capsys):
@@ -46,3 +50,13 @@ def test_bad_input_from_the_shell_has_no_traceback():
     proc = _run("account", "--epsilons", "-3")
     assert proc.returncode == 2
     assert proc.stderr.strip() == "trl-userdp: error: epsilons must be a finite number > 0, got -3.0."
+
+
+def test_a_dataset_without_a_user_column_is_a_one_line_error(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"chosen": "good", "rejected": "bad"}\n' * 4)
+    proc = _run("reward", "--dataset", str(path), "--output_dir", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("trl-userdp: error:") and "no user column 'user_id'" in last
+    assert sum(line.startswith("trl-userdp: error") for line in proc.stderr.splitlines()) == 1

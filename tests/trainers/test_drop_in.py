@@ -76,3 +76,15 @@ def test_logs_and_saved_files_hold_no_raw_gradient_norm_or_private_metrics(tmp_p
     assert not any("grad_norm" in entry for entry in opted.state.log_history)
     state = json.load(open(tmp_path / "checkpoint-4" / "trainer_state.json"))
     assert all("grad_norm" not in entry for entry in state["log_history"])
+    assert state["total_flos"] == 0  # would follow the private batches' sizes
+
+
+def test_train_returns_no_private_loss_and_eval_logs_no_training_token_count(tmp_path):
+    from ..tiny_models import text_preference_dataset
+
+    trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), steps=2, accountant="rdp")
+    output = trainer.train()  # a second call: the budget is spent, no step is taken, and no loss is returned
+    assert "train_loss" not in output.metrics and output.training_loss != output.training_loss  # NaN
+    metrics = trainer.evaluate(text_preference_dataset(n_users=2, pairs_per_user=2))
+    assert not any(k.endswith("num_tokens") for k in metrics)
+    assert trainer.model.privacy_report.steps_taken == trainer.privacy_engine.accountant.steps_taken

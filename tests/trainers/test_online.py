@@ -56,7 +56,16 @@ def test_a_reward_model_without_a_report_is_refused_unless_declared_public(tmp_p
 def test_preference_labels_never_reach_the_online_trainer(tmp_path, private_reward):
     tokenizer = tiny_tokenizer()
     with_labels = PROMPTS.add_column("chosen", ["x"] * len(PROMPTS))
-    with pytest.raises(ValueError, match="prompts only"):
+    with pytest.raises(ValueError, match=r"columns \['chosen'\] besides"):
         UserDPRLOOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
                           args=RLOOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=with_labels,
+                          processing_class=tokenizer)
+
+
+def test_a_reward_model_trained_without_privacy_is_not_private(tmp_path):
+    none = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path / "rm"), steps=1, privacy_mechanism="none")
+    tokenizer = tiny_tokenizer()
+    with pytest.raises(ValueError, match="without privacy"):
+        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model,
+                          args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
                           processing_class=tokenizer)

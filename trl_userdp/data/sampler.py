@@ -4,6 +4,7 @@ Empty steps are yielded, not skipped: the accountant counts them and the optimiz
 
 from __future__ import annotations
 
+import secrets
 from typing import Iterator, List, Optional
 
 import numpy as np
@@ -25,8 +26,9 @@ class UserPoissonSampler(Sampler[List[int]]):
         max_users_per_batch: truncated Poisson sampling: if more users are drawn, keep a uniform
             subset of this size (AUP-RLHF needs a bounded step; SPEC §2 M4).
         samples_per_user: draw ``k`` of a sampled user's rows per step instead of all of them.
-        seed / generator: source of randomness (a seed is required with ``num_replicas > 1``, so that
-            every rank draws the same users).
+        seed / generator: source of randomness; by default seeded from the OS, so nobody can replay
+            the draws (a seed makes experiments reproducible, and is required with ``num_replicas > 1``
+            so every rank draws the same users — keep it secret in deployment).
         num_replicas, rank: data-parallel sharding. Every rank draws the same users and keeps those
             with ``user % num_replicas == rank``, so the ranks' batches together form one Poisson step.
     """
@@ -65,7 +67,7 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.seed = seed
         if generator is None:
             generator = torch.Generator()
-            generator.manual_seed(torch.seed() if seed is None else seed)
+            generator.manual_seed(secrets.randbits(63) if seed is None else seed)  # unpredictable unless seeded
         self.generator = generator
         self.num_replicas = num_replicas
         self.rank = rank

@@ -100,6 +100,13 @@ class UserRandomizedResponse:
                 raise ValueError(f"The dataset has no {missing} column(s); pass `label_column` or the column names.")
         elif label_column not in dataset.column_names:
             raise ValueError(f"The dataset has no label column {label_column!r} (columns: {dataset.column_names}).")
+        derived = [c for c in dataset.column_names if c not in (chosen_column, rejected_column, label_column)
+                   and (c == "margin" or any(k in c for k in ("chosen", "rejected", "label", "score")))]
+        if derived:
+            raise ValueError(
+                f"Columns {derived} depend on the private labels (token ids of chosen/rejected, margins, scores) and "
+                "would not be randomized: drop them before privatizing (TRL re-tokenizes the text columns)."
+            )
         bounded, bounding = bound_contributions(dataset, self.max_samples_per_user, user_column=user_column, seed=self.seed)
         rng = np.random.default_rng(None if self.seed is None else [self.seed, 1])
         if label_column is not None:
@@ -107,11 +114,9 @@ class UserRandomizedResponse:
             if np.issubdtype(labels.dtype, np.floating) and np.isnan(labels).any():
                 raise ValueError(f"Column {label_column!r} has missing (NaN) labels.")
             new = self.privatize_labels(labels.astype(np.int64) if np.issubdtype(labels.dtype, np.floating) else labels, rng)
-            changed = int((new != labels).sum())
             bounded = bounded.remove_columns(label_column).add_column(label_column, new.tolist())
         else:
             flip = self.privatize_labels(np.zeros(len(bounded), dtype=np.int64), rng) == 1
-            changed = int(flip.sum())
             chosen, rejected = list(bounded[chosen_column]), list(bounded[rejected_column])
             new_chosen = [r if f else c for c, r, f in zip(chosen, rejected, flip)]
             new_rejected = [c if f else r for c, r, f in zip(chosen, rejected, flip)]
@@ -135,7 +140,6 @@ class UserRandomizedResponse:
                 "epsilon_per_label": self.epsilon_per_label,
                 "num_choices": self.num_choices,
                 "keep_probability": self.keep_probability,
-                "labels_changed": changed,
                 "protects": "labels only",
             },
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from typing import List, Optional
 
 import torch
@@ -112,9 +113,13 @@ class AUPOptimizer(UserDPOptimizer):
         self.concentration_radius = float(concentration_radius)
         self.max_users_per_batch = int(max_users_per_batch)
         self.svt_epsilon = float(svt_epsilon)
+        # AboveThreshold's Laplace draws and the keep decisions run on the CPU, from their own stream
+        self.cpu_generator = torch.Generator()
+        self.cpu_generator.manual_seed(int(torch.randint(2**62, (), generator=self.generator, device=self.generator.device))
+                                       if self.generator is not None else secrets.randbits(63))
         self.svt = AboveThreshold(
             4 * expected_batch_size / 5, self.svt_epsilon, (2 * self.max_users_per_batch - 1) / expected_batch_size,
-            self.generator,
+            self.cpu_generator,
         )
         self.noise_std = (
             self.concentration_radius * noise_multiplier * math.sqrt(8 * math.log(math.exp(epsilon) * steps / delta))
@@ -122,7 +127,8 @@ class AUPOptimizer(UserDPOptimizer):
         )
         self.halted = False
         self.halted_at_query: Optional[int] = None
-        self.last_stats: dict = {}
+        #: statistics of the last step's private batch, for tests and debugging: never log them
+        self._debug_stats: dict = {}
         self.average_iterates = average_iterates
         self.iterate_average: Optional[List[torch.Tensor]] = None
         self._averaged = 0
@@ -144,20 +150,18 @@ class AUPOptimizer(UserDPOptimizer):
         score = float((dist <= tau).sum()) / n_tilde
         if not self.svt.query(score):
             self.halted, self.halted_at_query = True, self.svt_queries
-            logger.warning(
-                "AUP-RLHF halted at AboveThreshold query %d (concentration score %.2f below the noisy threshold): "
-                "no further steps are taken.", self.svt_queries, score,
-            )
-            self.last_stats = {"score": score, "users": n_units, "halted": True}
+            logger.warning("AUP-RLHF halted: AboveThreshold answered ⊥ at query %d; no further steps are taken.",
+                           self.svt_queries)
+            self._debug_stats = {"score": score, "users": n_units, "halted": True}
             return False
         probs = keep_probabilities(dist, tau, n_tilde)
-        keep = torch.rand(n_units, generator=self.generator, dtype=torch.float64) < probs
+        keep = torch.rand(n_units, generator=self.cpu_generator, dtype=torch.float64) < probs
         kept = int(keep.sum())
         for p, g in zip(self.params, grads):
             mean = g[keep.to(g.device)].mean(0) if kept else torch.zeros_like(p)
             noise = torch.normal(0.0, self.noise_std, size=p.shape, generator=self.generator, dtype=p.dtype, device=p.device)
             p.grad = (mean + noise).view_as(p)
-        self.last_stats = {"score": score, "users": n_units, "kept": kept, "halted": False}
+        self._debug_stats = {"score": score, "users": n_units, "kept": kept, "halted": False}
         if self.step_hook:
             self.step_hook(self)
         return True

@@ -7,6 +7,7 @@ Per step: ``g_u`` = each unit's average row gradient (from :class:`UserGradSampl
 
 from __future__ import annotations
 
+import secrets
 from typing import Callable, List, Optional
 
 import torch
@@ -26,6 +27,8 @@ class UserDPOptimizer(DPOptimizer):
     Args:
         optimizer: the wrapped optimizer.
         noise_multiplier: σ; the noise std on the sum is ``σ · max_grad_norm``.
+        generator: source of the noise (default: a generator seeded from the OS, on the parameters'
+            device; pass a seeded one only for reproducible experiments).
         max_grad_norm: C, the bound on each unit's averaged gradient.
         expected_batch_size: ñ, expected units per step (``users_per_batch``); the noisy sum is
             divided by it whatever the step's actual number of users.
@@ -49,6 +52,12 @@ class UserDPOptimizer(DPOptimizer):
         self_check: bool = True,
         budget_guard: Optional[Callable[[], None]] = None,
     ):
+        if generator is None and not secure_mode:
+            # Opacus would use the global RNG, which training scripts seed with a public value (the
+            # Trainer's `seed`): then anyone could replay the noise. Draw the seed from the OS instead.
+            device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+            generator = torch.Generator(device=device)
+            generator.manual_seed(secrets.randbits(63))
         super().__init__(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -61,6 +70,9 @@ class UserDPOptimizer(DPOptimizer):
         self.hooks = hooks
         self.self_check = hooks.record_row_norms = self_check
         self.budget_guard = budget_guard
+        #: with True, a step the budget cannot pay for is skipped (no update, nothing accounted) instead of
+        #: raising; the trainers use it so that training ends cleanly
+        self.skip_when_exhausted = False
 
     @property
     def accumulated_iterations(self) -> int:
@@ -132,7 +144,12 @@ class UserDPOptimizer(DPOptimizer):
         """One private step; it uses up the batch the loader drew, whatever happens."""
         try:
             if self.budget_guard is not None:
-                self.budget_guard()
+                try:
+                    self.budget_guard()
+                except PrivacyBudgetExhausted:
+                    if not self.skip_when_exhausted:
+                        raise
+                    return None
             return super().step(closure)
         finally:
             for p in self.params:

@@ -84,11 +84,11 @@ class UserDPTrainerMixin:
         if args.privacy_mechanism != "randomized_response":
             return train_dataset
         self.randomized_response = UserRandomizedResponse(
-            args.target_epsilon, args.max_samples_per_user, seed=args.seed
+            args.target_epsilon, args.max_samples_per_user, seed=args.privacy_seed
         )
         train_dataset, self.rr_report = self.randomized_response.privatize(train_dataset, user_column=args.user_column)
-        logger.info("Randomized response: %d of %d labels flipped (ε = %g per user).",
-                    self.rr_report.extra["labels_changed"], len(train_dataset), args.target_epsilon)
+        logger.info("Randomized response: %d labels privatized once (ε = %g per user, ε/m = %g per label).",
+                    len(train_dataset), args.target_epsilon, self.randomized_response.epsilon_per_label)
         return train_dataset
 
     def _init_privacy(self) -> None:
@@ -124,8 +124,9 @@ class UserDPTrainerMixin:
             users_per_batch=users_per_batch,
             user_column=args.user_column,
             rows_per_example=self.rows_per_example,
-            bounding_seed=args.seed,
-            sampling_seed=args.seed,
+            bounding_seed=args.seed,  # which rows a user keeps: a function of that user's rows only
+            sampling_seed=args.privacy_seed,
+            noise_generator=None if args.privacy_seed is None else torch.Generator().manual_seed(args.privacy_seed),
             user_key=USER_KEY,
         )
         length = dict(steps=args.max_steps) if args.max_steps > 0 else dict(epochs=args.num_train_epochs)
@@ -148,6 +149,7 @@ class UserDPTrainerMixin:
             )
         if self._restored_privacy_state is not None:
             self._apply_privacy_state(engine, self._restored_privacy_state)
+        optimizer.skip_when_exhausted = True  # the budget callback then ends training cleanly
         self.privacy_engine, self.optimizer, self._private_loader = engine, optimizer, loader
         logger.info("User-level DP (%s): n=%d users, q=%.4g, σ=%.4g, %d rows dropped by contribution bounding.",
                     args.privacy_mechanism, loader.n_users, loader.sample_rate, optimizer.noise_multiplier,
@@ -175,6 +177,11 @@ class UserDPTrainerMixin:
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._dp_active and not self.privacy_engine.budget_allows_step():
+            # the budget is spent (e.g. a resumed run): no forward pass; the optimizer skips the step
+            inputs.pop(USER_KEY, None)
+            self.control.should_training_stop = True
+            return torch.zeros((), device=self.args.device)
         if self._dp_active and inputs["input_ids"].shape[0] == 0:
             # A step with no sampled user: no forward pass (models fail on zero rows); the optimizer still
             # takes its noise-only step, and the accountant counts it.
@@ -182,6 +189,20 @@ class UserDPTrainerMixin:
             self.privacy_engine.hooks.set_row_users(torch.zeros(0, dtype=torch.long))
             return torch.zeros((), device=self.args.device)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        if self.args.privacy_mechanism != "none":
+            if self.privacy_engine is not None or not self._dp_active:
+                self.model.privacy_report = self.privacy_report()  # what was spent, even without a final save
+            if not self.args.log_private_metrics:  # the mean training loss is a statistic of private batches
+                output.metrics.pop("train_loss", None)
+                output = type(output)(output.global_step, float("nan"), output.metrics)
+        return output
+
+    def floating_point_ops(self, inputs):
+        """0 under DP: the count (saved as ``total_flos``) would follow the private batches' sizes."""
+        return 0 if self.args.privacy_mechanism in GRADIENT_MECHANISMS else super().floating_point_ops(inputs)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """Never compute or log the norm of the raw, non-private gradient."""
@@ -192,10 +213,13 @@ class UserDPTrainerMixin:
         logs.pop("grad_norm", None)
         training = not any(k.startswith("eval_") for k in logs)
         private = self.args.privacy_mechanism != "none"
-        if private and training and not self.args.log_private_metrics:
-            if hasattr(self, "_metrics"):
-                self._metrics["train"].clear()  # TRL's batch statistics (rewards, accuracy, logps, tokens)
-            logs = {k: v for k, v in logs.items() if k in PUBLIC_LOG_KEYS}
+        if private and not self.args.log_private_metrics:
+            if training:
+                if hasattr(self, "_metrics"):
+                    self._metrics["train"].clear()  # TRL's batch statistics (rewards, accuracy, logps, tokens)
+                logs = {k: v for k, v in logs.items() if k in PUBLIC_LOG_KEYS}
+            else:  # evaluation metrics are the user's, but TRL adds its running count of *training* tokens
+                logs = {k: v for k, v in logs.items() if not k.endswith("num_tokens")}
         if private:
             logs["epsilon"] = self.current_epsilon()
             logs["delta"] = self.args.target_delta if self._dp_active else 0.0

@@ -9,6 +9,7 @@ carried-over report with the policy.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, List, Optional
 
@@ -16,8 +17,6 @@ from trl import GRPOTrainer, RLOOTrainer
 
 from ..accountants import REPORT_FILENAME, PrivacyReport
 
-#: Columns that would hand the online trainer private preference labels.
-LABEL_COLUMNS = ("chosen", "rejected", "label", "rr_epsilon_per_label")
 
 
 def find_privacy_report(reward: Any) -> Optional[PrivacyReport]:
@@ -37,7 +36,8 @@ def find_privacy_report(reward: Any) -> Optional[PrivacyReport]:
 class UserDPOnlineMixin:
     """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`."""
 
-    def _check_private_inputs(self, reward_funcs, train_dataset, reward_model_is_public: bool) -> None:
+    def _check_private_inputs(self, reward_funcs, train_dataset, reward_model_is_public: bool,
+                              public_columns=("prompt",)) -> None:
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         self.reward_privacy_reports: List[PrivacyReport] = []
         for func in funcs:
@@ -48,14 +48,20 @@ class UserDPOnlineMixin:
                     f"Reward {name!r} has no privacy report: train it with UserDPRewardTrainer (which attaches one and "
                     "saves privacy_report.json), or pass reward_model_is_public=True if it saw no private data."
                 )
-            if report is not None:
+            if report is not None and not reward_model_is_public:
+                if math.isinf(report.epsilon):
+                    raise ValueError(
+                        f"Reward {getattr(func, '__name__', type(func).__name__)!r} was trained without privacy "
+                        f"(mechanism {report.mechanism!r}, ε = ∞); pass reward_model_is_public=True if that is intended."
+                    )
                 self.reward_privacy_reports.append(report)
         columns = set(getattr(train_dataset, "column_names", ()) or ())
-        leaked = sorted(columns & set(LABEL_COLUMNS))
-        if leaked:
+        extra = sorted(columns - set(public_columns))
+        if extra:
             raise ValueError(
-                f"The online-RL dataset has preference columns {leaked}: online RL must see prompts only, or the policy "
-                "would read private labels outside the accounted mechanism. Keep only the prompt column."
+                f"The online-RL dataset has columns {extra} besides {list(public_columns)}: online RL must not see the "
+                "private preference data (GRPO hands every column to the reward functions). Drop them, or list public "
+                "ones in `public_columns`."
             )
 
     def carried_privacy_report(self) -> PrivacyReport:
@@ -85,20 +91,20 @@ class UserDPOnlineMixin:
 
 
 class UserDPRLOOTrainer(UserDPOnlineMixin, RLOOTrainer):
-    """``trl.RLOOTrainer`` whose reward model(s) must be user-level private (or declared public);
-    extra keyword ``reward_model_is_public``."""
+    """``trl.RLOOTrainer`` whose reward model(s) must be user-level private (or declared public); extra
+    keywords ``reward_model_is_public`` and ``public_columns`` (dataset columns allowed besides prompts)."""
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, *rest, reward_model_is_public: bool = False,
-                 **kwargs):
-        self._check_private_inputs(reward_funcs, train_dataset, reward_model_is_public)
+                 public_columns=("prompt",), **kwargs):
+        self._check_private_inputs(reward_funcs, train_dataset, reward_model_is_public, public_columns)
         super().__init__(model, reward_funcs, args, train_dataset, *rest, **kwargs)
 
 
 class UserDPGRPOTrainer(UserDPOnlineMixin, GRPOTrainer):
-    """``trl.GRPOTrainer`` whose reward model(s) must be user-level private (or declared public);
-    extra keyword ``reward_model_is_public``."""
+    """``trl.GRPOTrainer`` whose reward model(s) must be user-level private (or declared public); extra
+    keywords ``reward_model_is_public`` and ``public_columns`` (dataset columns allowed besides prompts)."""
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, *rest, reward_model_is_public: bool = False,
-                 **kwargs):
-        self._check_private_inputs(reward_funcs, train_dataset, reward_model_is_public)
+                 public_columns=("prompt",), **kwargs):
+        self._check_private_inputs(reward_funcs, train_dataset, reward_model_is_public, public_columns)
         super().__init__(model, reward_funcs, args, train_dataset, *rest, **kwargs)

@@ -27,7 +27,7 @@ class UserDPArguments:
     """
 
     privacy_mechanism: str = dataclasses.field(
-        default="user_dpsgd", metadata={"help": f"One of {PRIVACY_MECHANISMS}.", "choices": list(PRIVACY_MECHANISMS)}
+        default="user_dpsgd", metadata={"help": f"One of {PRIVACY_MECHANISMS}."}
     )
     target_epsilon: Optional[float] = dataclasses.field(
         default=8.0,
@@ -62,6 +62,11 @@ class UserDPArguments:
     group_accounting: str = dataclasses.field(
         default="conversion", metadata={"help": "For privacy_mechanism='group': 'conversion' or 'els'."}
     )
+    privacy_seed: Optional[int] = dataclasses.field(
+        default=None,
+        metadata={"help": "Seeds the privacy randomness (label flips, user sampling, noise, AboveThreshold). Leave unset in "
+                          "deployment: anyone who knows the seed can replay the noise. (`seed` seeds the rest.)"},
+    )
     log_private_metrics: bool = dataclasses.field(
         default=False,
         metadata={"help": "Also log training loss/accuracy/rewards: statistics of private data without noise."},
@@ -89,6 +94,9 @@ class UserDPArguments:
         if self.privacy_mechanism not in GRADIENT_MECHANISMS:
             return
         check_positive(self.per_user_max_grad_norm, "per_user_max_grad_norm")
+        if getattr(self, "include_num_input_tokens_seen", "no") not in ("no", False):
+            logger.warning("include_num_input_tokens_seen counts the tokens of private batches; turned off under DP.")
+            self.include_num_input_tokens_seen = "no"
         if self.privacy_mechanism == "aup":
             check_positive(self.concentration_radius, "concentration_radius")
         if self.gradient_accumulation_steps != 1:
