@@ -71,7 +71,7 @@ class PipelineArguments:
     sft_steps: int = dataclasses.field(default=300, metadata={"help": "SFT steps of the small policy."})
     rl_steps: int = dataclasses.field(default=40, metadata={"help": "GRPO steps per reward model."})
     eval_every: int = dataclasses.field(default=10, metadata={"help": "Evaluate the policy every this many RL steps."})
-    eval_prompts: int = dataclasses.field(default=64, metadata={"help": "Held-out prompts for evaluation."})
+    eval_prompts: int = dataclasses.field(default=128, metadata={"help": "Held-out prompts for evaluation."})
     kl_beta: float = dataclasses.field(default=0.05, metadata={"help": "GRPO's KL coefficient against the SFT model."})
     completion_tokens: int = dataclasses.field(default=16, metadata={"help": "Tokens generated per completion."})
     output_dir: str = dataclasses.field(default="runs/pipeline", metadata={"help": "Where models, results and the plot go."})
@@ -306,7 +306,9 @@ def evaluate_policy(policy, reference, tokenizer, prompts: Sequence[str], gold, 
 
     kl = (logps(policy) - logps(reference)).mean()
     policy.train()
-    return {"gold_reward": float(np.mean(gold(texts))), "kl": float(kl)}
+    scores = np.asarray(gold(texts))
+    return {"gold_reward": float(scores.mean()), "gold_reward_se": float(scores.std(ddof=1) / np.sqrt(len(scores))),
+            "kl": float(kl)}
 
 
 def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, data: SentimentData,
@@ -379,6 +381,7 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
             "epsilon_spent": None if reward.report is None else reward.report.epsilon,
             "reward_model_pair_accuracy": reward.eval_accuracy,
             "gold_reward": final["gold_reward"],
+            "gold_reward_se": final["gold_reward_se"],
             "kl": final["kl"],
             "aup_halted": None if reward.report is None else reward.report.extra.get("halted"),
             "curve": policy["curve"],
@@ -402,17 +405,23 @@ def format_table(results: List[Dict[str, object]], args: PipelineArguments) -> s
     lines = [
         f"Controlled sentiment generation in miniature: n = {args.n_users} users, m = {args.max_samples_per_user}, "
         f"δ = {args.delta:g}, GRPO {args.rl_steps} steps (KL coefficient {args.kl_beta})",
-        f"{'mechanism':<20} {'target ε':>8} {'ε spent':>8} {'RM pair acc':>11} {'gold reward':>11} {'KL':>7}",
-        "-" * 70,
+        f"{'mechanism':<20} {'target ε':>8} {'ε spent':>8} {'RM pair acc':>11} {'gold reward (95% CI)':>21} {'KL':>7}",
+        "-" * 80,
     ]
     for r in results:
         eps = "—" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}"
         spent = "∞ (none)" if r["epsilon_spent"] is None else f"{r['epsilon_spent']:.3g}"
         note = " (halted)" if r.get("aup_halted") else ""
+        reward = f"{r['gold_reward']:.3f} ± {1.96 * r['gold_reward_se']:.3f}"
         lines.append(f"{r['mechanism']:<20} {eps:>8} {spent:>8} {r['reward_model_pair_accuracy']:>11.3f} "
-                     f"{r['gold_reward']:>11.3f} {r['kl']:>7.3f}{note}")
+                     f"{reward:>21} {r['kl']:>7.3f}{note}")
+    start = results[0]["curve"][0] if results else None
+    if start is not None:
+        reward = f"{start['gold_reward']:.3f} ± {1.96 * start['gold_reward_se']:.3f}"
+        lines.append(f"{'SFT policy (start)':<20} {'':>8} {'':>8} {'':>11} {reward:>21} {0.0:>7.3f}")
     lines.append("ε spent: the reward model's user-level guarantee (the policy inherits it by post-processing); "
-                 "RM pair acc: agreement with the gold preference on 500 held-out pairs.")
+                 "RM pair acc: agreement with the gold preference on 500 held-out pairs; gold reward: mean gold "
+                 f"log-odds of one sampled completion per held-out prompt ({args.eval_prompts} prompts).")
     return "\n".join(lines)
 
 
