@@ -19,6 +19,9 @@ POSITION_EMBEDDING_NAMES = ("wpe", "position_embeddings", "embed_positions")
 def check_module(module: nn.Module) -> None:
     """Reject modules Opacus cannot compute per-sample gradients for, and non-reentrant
     gradient checkpointing (it silently loses most per-sample gradients)."""
+    if not module.training:
+        raise ValueError("The model is in eval mode (as from_pretrained leaves it): call model.train() first; "
+                         "per-sample gradients are only captured in training mode.")
     try:
         ModuleValidator.validate(module, strict=True)
     except UnsupportedModuleError as err:

@@ -72,6 +72,7 @@ class PipelineArguments:
     rl_steps: int = dataclasses.field(default=40, metadata={"help": "GRPO steps per reward model."})
     eval_every: int = dataclasses.field(default=10, metadata={"help": "Evaluate the policy every this many RL steps."})
     eval_prompts: int = dataclasses.field(default=128, metadata={"help": "Held-out prompts for evaluation."})
+    eval_pairs: int = dataclasses.field(default=500, metadata={"help": "Held-out pairs for reward-model accuracy."})
     kl_beta: float = dataclasses.field(default=0.05, metadata={"help": "GRPO's KL coefficient against the SFT model."})
     completion_tokens: int = dataclasses.field(default=16, metadata={"help": "Tokens generated per completion."})
     output_dir: str = dataclasses.field(default="runs/pipeline", metadata={"help": "Where models, results and the plot go."})
@@ -109,9 +110,9 @@ def build_sentiment_data(args: PipelineArguments) -> SentimentData:
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(texts))
     m, n = args.max_samples_per_user, args.n_users
-    n_public = max(50, n // 4)
+    n_public = max(10, n // 4)
     private_size, public_size = 2 * n * m, 2 * n_public * m
-    n_eval = 500
+    n_eval = args.eval_pairs
     cuts = np.cumsum([private_size, public_size, 2 * n_eval, 2000, args.eval_prompts])
     groups = np.split(order[: cuts[-1]], cuts[:-1])
     pool = [_snippet(texts[i], args.snippet_words) for i in order[: cuts[2]]]
@@ -420,7 +421,7 @@ def format_table(results: List[Dict[str, object]], args: PipelineArguments) -> s
         reward = f"{start['gold_reward']:.3f} ± {1.96 * start['gold_reward_se']:.3f}"
         lines.append(f"{'SFT policy (start)':<20} {'':>8} {'':>8} {'':>11} {reward:>21} {0.0:>7.3f}")
     lines.append("ε spent: the reward model's user-level guarantee (the policy inherits it by post-processing); "
-                 "RM pair acc: agreement with the gold preference on 500 held-out pairs; gold reward: mean gold "
+                 f"RM pair acc: agreement with the gold preference on {args.eval_pairs} held-out pairs; gold reward: mean gold "
                  f"log-odds of one sampled completion per held-out prompt ({args.eval_prompts} prompts).")
     return "\n".join(lines)
 

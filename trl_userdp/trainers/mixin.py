@@ -110,6 +110,7 @@ class UserDPTrainerMixin:
 
     def _make_private(self) -> None:
         args = self.args
+        self.model.train()  # from_pretrained leaves models in eval mode; the Trainer switches later
         if self.optimizer is None:
             self.create_optimizer()
         users_per_batch = args.users_per_batch or float(args.per_device_train_batch_size)

@@ -1,0 +1,52 @@
+"""Each example runs offline on CPU in a reduced mode (issue 7)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from trl_userdp import PrivacyReport
+
+EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reward")
+    _load("reward_modeling").main(["--output_dir", str(out), "--max_steps", "2", "--n_users", "20",
+                                   "--per_device_train_batch_size", "4", "--logging_steps", "1"])
+    return out
+
+
+def test_reward_modeling_saves_a_private_reward_model(reward_dir):
+    report = PrivacyReport.load(str(reward_dir))
+    assert report.mechanism == "user_dpsgd" and 0 < report.epsilon <= 8.0 and report.steps_taken == 2
+
+
+def test_online_rl_inherits_the_reward_models_report(reward_dir, tmp_path):
+    trainer = _load("online_rl").main(["--reward_model", str(reward_dir), "--output_dir", str(tmp_path), "--max_steps", "2",
+                                       "--n_prompts", "8"])
+    assert PrivacyReport.load(str(tmp_path)).epsilon == pytest.approx(PrivacyReport.load(str(reward_dir)).epsilon)
+    assert trainer.state.global_step == 2
+
+
+@pytest.mark.parametrize("extra", [[], ["--use_peft"]])
+def test_dpo_full_and_lora(tmp_path, extra):
+    trainer = _load("dpo").main(["--output_dir", str(tmp_path), "--max_steps", "2", "--n_users", "10", *extra])
+    assert PrivacyReport.load(str(tmp_path)).steps_taken == 2 and trainer.state.global_step == 2
+
+
+def test_tldr_recipe_falls_back_to_local_data_offline(tmp_path, capsys):
+    _load("tldr_summarization").main(["--source", "hub", "--output_dir", str(tmp_path), "--max_steps", "2", "--n_users", "6",
+                                      "--comparisons_per_user", "5", "--max_samples_per_user", "5"])
+    out = capsys.readouterr().out
+    assert "using the local stand-in" in out and "per labeller" in out
+    report = PrivacyReport.load(str(tmp_path))
+    assert report.n_users == 6 and report.max_samples_per_user == 5
