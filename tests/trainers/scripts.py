@@ -12,13 +12,17 @@ COMMON = dict(per_device_train_batch_size=4, learning_rate=1e-3, report_to=[], u
               save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
 
 
-def reward_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, **config):
-    tokenizer = tiny_tokenizer()
+def tiny_reward_model(tokenizer):
     torch.manual_seed(0)
-    model = LlamaForSequenceClassification(LlamaConfig(
+    return LlamaForSequenceClassification(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=128, num_labels=1, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+
+
+def reward_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, **config):
+    tokenizer = tiny_tokenizer()
+    model = tiny_reward_model(tokenizer)
     args = config_cls(output_dir=output_dir, max_steps=steps, **{**COMMON, **config})
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset or text_preference_dataset(n_users=8, pairs_per_user=3),
                           processing_class=tokenizer, peft_config=peft_config)

@@ -40,18 +40,11 @@ def test_resume_continues_the_same_epsilon_curve(tmp_path):
 
 
 def _resume(output_dir, checkpoint):
-    import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
     from ..tiny_models import text_preference_dataset, tiny_tokenizer
-    from .scripts import COMMON
+    from .scripts import COMMON, tiny_reward_model
 
     tokenizer = tiny_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=128, num_labels=1, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model = tiny_reward_model(tokenizer)
     args = UserDPRewardConfig(output_dir=str(output_dir), max_steps=6, **{**COMMON, **SETTINGS, "save_strategy": "steps",
                                                                           "save_steps": 3})
     trainer = UserDPRewardTrainer(model=model, args=args, train_dataset=text_preference_dataset(n_users=8, pairs_per_user=3),
