@@ -1,7 +1,10 @@
 """AdaptiveUserPrivacyEngine (AUP-RLHF) end to end: accounting, halting, phases, bad input (issue 5)."""
 
+import math
+
 import dp_accounting as dpa
 import pytest
+from scipy import stats
 import torch
 from dp_accounting import pld
 from torch.utils.data import DataLoader, TensorDataset
@@ -31,7 +34,7 @@ def _private(tau=5.0, eps=4.0, steps=20, upb=60.0, **kw):
 
 def _train(model, opt, loader):
     taken = 0
-    for x, y in loader:
+    for x, y, *_ in loader:
         opt.zero_grad()
         torch.nn.functional.binary_cross_entropy_with_logits(model(x).squeeze(-1), y).backward()
         opt.step()
@@ -73,7 +76,93 @@ def test_a_halted_run_stops_cleanly_and_reports_where():
 
 def test_paper_phase_uses_half_of_the_users():
     engine, model, opt, loader = _private(phase_users="paper")
-    assert loader.n_users == 150 and engine.privacy_report(1e-5).extra["phase_users"] == "paper"
+    lo, hi = stats.binom.interval(0.999, 300, 0.5)
+    assert lo <= loader.n_users <= hi and engine.privacy_report(1e-5).extra["phase_users"] == "paper"
+    assert loader.sample_rate == pytest.approx(60 / loader.n_users)
+
+
+def _phased(n_users=9000, phases=2, tau=5.0, eps=4.0, upb=1000.0, **kw):
+    """Alg. 1 with k phases on a task whose rows carry their user id (third tensor). With ñ = 1000 a
+    Poisson step falls below AboveThreshold's 4ñ/5 bar (|U_t| < √0.8·ñ) with probability ~1e-4, so a
+    concentrated run does not halt by chance (with ñ = 60 it halts within a few steps)."""
+    torch.manual_seed(0)
+    dataset, ids = _task(n_users=n_users)
+    dataset = TensorDataset(*dataset.tensors, torch.tensor(ids))
+    model = torch.nn.Linear(5, 1)
+    engine = trl_userdp.AdaptiveUserPrivacyEngine()
+    model, opt, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=DataLoader(dataset),
+        concentration_radius=tau, target_epsilon=eps, target_delta=1e-5, max_samples_per_user=4,
+        users_per_batch=upb, user_ids=ids, sampling_seed=0, noise_generator=torch.Generator().manual_seed(0),
+        phases=phases, **kw,
+    )
+    return engine, model, opt, loader
+
+
+def _gaussian_epsilon(n, q, n_max, sigma, steps, delta=1e-5):
+    event = dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(n, q, n_max, sigma), steps)
+    return pld.PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta)
+
+
+def test_phases_run_in_order_on_disjoint_users_with_their_own_sigma_and_threshold():
+    engine, model, opt, loader = _phased(epochs=1.0)
+    assert isinstance(loader, trl_userdp.data.PhasedUserDataLoader) and len(loader.loaders) == 2
+    sizes = [ld.n_users for ld in loader.loaders]
+    lo, hi = stats.binom.interval(0.999, 9000, 1 / 3)
+    assert lo <= sizes[0] <= hi and sum(sizes) == 9000  # geometric split (1/3, 2/3), every user used
+    assert engine.phase_steps == [round(ld.n_users / 1000) for ld in loader.loaders]  # one pass each
+    members = [set(ld.user_index.keys.tolist()) for ld in loader.loaders]
+    assert not members[0] & members[1]
+    phase_of_step, thresholds = [], []
+    for x, y, users in loader:
+        phase_of_step.append(loader.phase)
+        assert set(users.tolist()) <= members[loader.phase]  # a step only holds its phase's users
+        assert opt.noise_multiplier == engine.phase_noise_multipliers[loader.phase]
+        opt.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(model(x).squeeze(-1), y).backward()
+        opt.step()
+        thresholds.append(opt.svt.noisy_threshold)
+    assert phase_of_step == sorted(phase_of_step) and len(phase_of_step) == sum(engine.phase_steps)
+    assert thresholds[0] != thresholds[-1] and len(set(thresholds)) == 2  # one threshold per phase
+    assert opt.svt_queries_by_phase == engine.phase_steps and not opt.halted
+    # σ differs by phase (q = ñ/n_i, T_i) and each phase was calibrated to (ε/2, δ/2)
+    for ld, sigma, t, acc in zip(loader.loaders, engine.phase_noise_multipliers, engine.phase_steps,
+                                 engine.phase_accountants):
+        assert acc.steps_taken == t
+        assert 1.98 <= _gaussian_epsilon(ld.n_users, ld.sample_rate, opt.max_users_per_batch, sigma, t, 0.5e-5) <= 2.0
+    # parallel composition: the run's ε is the largest phase's, each checked against dp-accounting
+    phase_eps = [
+        _gaussian_epsilon(ld.n_users, ld.sample_rate, opt.max_users_per_batch, sigma, t) + 2.0
+        for ld, sigma, t in zip(loader.loaders, engine.phase_noise_multipliers, engine.phase_steps)
+    ]
+    assert engine.get_epsilon(1e-5) == pytest.approx(max(phase_eps), rel=1e-9)
+    report = engine.privacy_report(1e-5)
+    assert [p["epsilon"] for p in report.extra["phases"]] == pytest.approx(phase_eps, rel=1e-9)
+    assert report.steps == report.steps_taken == sum(engine.phase_steps)
+    assert trl_userdp.PrivacyReport.from_json(report.to_json()) == report
+
+
+def test_epochs_split_the_phased_schedule_into_passes():
+    engine, model, opt, loader = _phased(epochs=2.0)
+    total = sum(engine.phase_steps)
+    assert len(loader) == math.ceil(total / 2)
+    taken = [_train(model, opt, loader) for _ in range(3)]
+    assert taken == [len(loader), total - len(loader), 0]  # two passes run it all; a third has nothing
+
+
+def test_a_halt_in_a_phase_ends_the_whole_run():
+    engine, model, opt, loader = _phased(tau=1e-4, steps=30)
+    assert _train(model, opt, loader) == 1 and opt.halted and loader.phase == 0
+    assert _train(model, opt, loader) == 0  # no further phase starts
+    assert engine.get_epsilon(1e-5) == pytest.approx(2.0)  # only phase 1's AboveThreshold was spent
+    assert engine.privacy_report(1e-5).extra["halted_at_query"] == 1
+
+
+def test_phases_refuse_a_prefetching_loop_and_too_small_phases():
+    with pytest.raises(ValueError, match="user_key"):
+        _phased(steps=10, user_key="user_index")
+    with pytest.raises(ValueError, match="Phase sizes"):
+        _phased(n_users=3000, phases=3, phase_users="paper", steps=10)  # phase 1 holds ~375 < 1000 users
 
 
 def test_truncation_bounds_every_step():
@@ -91,6 +180,7 @@ def test_truncation_bounds_every_step():
         (dict(tau=0.0), "concentration_radius"),
         (dict(svt_fraction=1.0), "svt_fraction"),
         (dict(phase_users="half"), "phase_users"),
+        (dict(phases=0), "phases"),
         (dict(eps=0.0), "target_epsilon"),
     ],
 )

@@ -6,27 +6,26 @@ is made); the Gaussian steps are calibrated to ``(ε − ε_svt, δ/2)`` as T tr
 subsampled Gaussian steps (dp-accounting PLD) — AUP-RLHF Alg. 2 line 2 with PrivacyAccount; the
 total is their sum (basic composition, Thm 3). Users are sampled with ``q = ñ/n`` and each step is
 truncated to ``ñ_max`` users, which bounds the concentration score's sensitivity (SPEC §2 M4).
+Alg. 1's ``k`` phases run Alg. 2 on disjoint user sets one after another (parallel composition).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
-from .accountants import PrivacyReport
-from .data import DEFAULT_USER_COLUMN, UserDataLoader
+from .accountants import DPAccountingAccountant, PrivacyReport
+from .data import DEFAULT_USER_COLUMN, PhasedUserDataLoader, UserDataLoader, bound_contributions, resolve_user_ids
+from .data.phases import assign_phases, phase_datasets, phase_shares
 from .grad_sample import UserGradSampleHooks
 from .optimizers.aup_optimizer import AUPOptimizer, pairwise_distances
 from .privacy_engine import PrivacyEngine
 from .validators import check_positive, check_steps
-
-PHASE_USERS = ("all", "paper")
-
 
 def default_max_users_per_batch(users_per_batch: float) -> int:
     """ñ + 4√ñ, rounded up: Poisson(ñ) exceeds it with probability below about 1e-4 per step."""
@@ -37,13 +36,20 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
     """AUP-RLHF: per-user gradients, concentration score, AboveThreshold, randomized outlier
     removal, mean of the kept users plus Gaussian noise scaled to τ, then the wrapped optimizer.
 
-    Accounting is dp-accounting's PLD (the truncated-Poisson event has no RDP form).
+    Accounting is dp-accounting's PLD (the truncated-Poisson event has no RDP form). With ``k``
+    phases (Alg. 1) each phase has its own accountant; the phases' users are disjoint, so the run's
+    ε is the largest phase's (parallel composition).
     """
 
     def __init__(self, *, secure_mode: bool = False, neighboring_relation: str = "add_or_remove"):
         super().__init__(accountant="pld", secure_mode=secure_mode, neighboring_relation=neighboring_relation)
         self.svt_epsilon: Optional[float] = None
         self.phase_users: Optional[str] = None
+        #: per phase: accountant, σ and planned steps (one entry when phases=1)
+        self.phase_accountants: List[DPAccountingAccountant] = []
+        self.phase_noise_multipliers: List[float] = []
+        self.phase_steps: List[int] = []
+        self.phase = 0
 
     def make_private_user_level(
         self,
@@ -60,6 +66,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         steps: Optional[int] = None,
         max_users_per_batch: Optional[int] = None,
         svt_fraction: float = 0.5,
+        phases: int = 1,
         phase_users: str = "all",
         average_iterates: bool = False,
         user_ids: Optional[Sequence[Any]] = None,
@@ -71,45 +78,72 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         self_check: bool = True,
         grad_sample_mode: str = "hooks",
         user_key: Optional[str] = None,
-    ) -> Tuple[nn.Module, AUPOptimizer, UserDataLoader]:
+    ) -> Tuple[nn.Module, AUPOptimizer, Union[UserDataLoader, PhasedUserDataLoader]]:
         """Like :meth:`PrivacyEngine.make_private_user_level`, plus ``concentration_radius`` (τ),
         ``max_users_per_batch`` (ñ_max; default :func:`default_max_users_per_batch`),
-        ``svt_fraction`` (share of ε for AboveThreshold), ``phase_users`` (``"all"``: all users in
-        one phase; ``"paper"``: Alg. 1 read literally with k = 1, a seeded half of the users) and
-        ``average_iterates``. The budget is required (the noise scale depends on ε, δ and T). On ⊥ the
-        optimizer halts, the loader stops, and :meth:`privacy_report` says at which query.
+        ``svt_fraction`` (share of ε for AboveThreshold), ``phases`` (Alg. 1's k), ``phase_users``
+        (``"all"``: the phases' geometric split rescaled to use every user; ``"paper"``: Alg. 1 as
+        written, which leaves a share 2^−k unused — half the users at k = 1; see
+        :mod:`trl_userdp.data.phases`) and ``average_iterates``. The budget is required (the noise
+        scale depends on ε, δ and T). ``epochs`` or ``steps`` give each phase the same number of
+        passes over its own users; every phase runs Alg. 2 afresh (new AboveThreshold threshold, its
+        own σ and T) from the previous phase's parameters. With ``phases > 1`` the loader is a
+        :class:`~trl_userdp.data.PhasedUserDataLoader` (not with ``user_key``: a loop that prefetches
+        would cross a phase boundary early). On ⊥ the optimizer halts, the loader stops, and
+        :meth:`privacy_report` says at which query.
         """
         check_positive(concentration_radius, "concentration_radius")
         self._check_target(target_epsilon, target_delta, epochs, steps)
         if not 0 < svt_fraction < 1:
             raise ValueError(f"svt_fraction must lie in (0, 1), got {svt_fraction}.")
-        if phase_users not in PHASE_USERS:
-            raise ValueError(f"phase_users must be one of {PHASE_USERS}, got {phase_users!r}.")
+        shares = phase_shares(phases, phase_users)
+        if phases > 1 and user_key is not None:
+            raise ValueError("phases > 1 needs a loop that steps each batch before fetching the next; "
+                             "it cannot be used with user_key (transformers' Trainer prefetches batches).")
         m = self._check_model(module, optimizer, grad_sample_mode, max_samples_per_user)
         n_max = default_max_users_per_batch(users_per_batch) if max_users_per_batch is None else int(max_users_per_batch)
-        if phase_users == "paper":
-            data_loader = _half_of_the_users(data_loader, user_ids, user_column, bounding_seed)
-            user_ids = getattr(data_loader.dataset, "user_ids", None) if user_ids is not None else None
-        loader, expected = self._make_loader(
-            data_loader, "user_dpsgd", m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
-            sampling_seed, max_users_per_batch=n_max, user_key=user_key,
+
+        bounded, self.bounding = bound_contributions(
+            data_loader.dataset, m, user_column=user_column, user_ids=user_ids, seed=bounding_seed
         )
-        self._install_accountant(loader.sample_rate, truncation=(loader.n_users, n_max))
-        total_steps = check_steps(steps, epochs, loader.sample_rate)
+        index = resolve_user_ids(bounded, user_column=user_column)
+        phase_of_user = assign_phases(index, shares, bounding_seed)
+        sizes = np.bincount(phase_of_user[phase_of_user >= 0], minlength=phases)
+        if sizes.min() < users_per_batch:
+            raise ValueError(
+                f"Phase sizes {sizes.tolist()} (users): every phase needs at least users_per_batch="
+                f"{users_per_batch} users; use fewer phases, phase_users='all' or a smaller users_per_batch."
+            )
+        used = int(sizes.sum())
         self.svt_epsilon = svt_fraction * target_epsilon
         gaussian_budget = (target_epsilon - self.svt_epsilon, target_delta / 2)
-        sigma = self._calibrate(*gaussian_budget, loader.sample_rate, total_steps)
+        loaders = []
+        for i, dataset in enumerate(phase_datasets(bounded, index, phase_of_user, phases)):
+            q = users_per_batch / int(sizes[i])
+            t = check_steps(None, epochs, q) if steps is None else max(1, int(round(check_steps(steps, None, q) * sizes[i] / used)))
+            loaders.append(UserDataLoader(
+                dataset, users_per_batch=users_per_batch, user_column=user_column, max_samples_per_user=m,
+                collate_fn=data_loader.collate_fn, rows_per_example=rows_per_example,
+                steps=t if phases > 1 else None,  # one phase: epochs of round(1/q) steps, as without phases
+                max_users_per_batch=n_max, seed=None if sampling_seed is None else _phase_seed(sampling_seed, i, phases),
+                user_key=user_key, num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory,
+            ))
+            self._install_accountant(q, truncation=(int(sizes[i]), n_max))
+            self.phase_accountants.append(self.accountant)
+            self.phase_steps.append(t)
+            self.phase_noise_multipliers.append(self._calibrate(*gaussian_budget, q, t))
         self._calibrated = True
+        self.accountant = self.phase_accountants[0]
         hooks = self._attach_hooks(module, grad_sample_mode)
         aup = AUPOptimizer(
             optimizer,
-            noise_multiplier=sigma,
+            noise_multiplier=self.phase_noise_multipliers[0],
             concentration_radius=concentration_radius,
-            expected_batch_size=expected,
+            expected_batch_size=loaders[0].users_per_batch,
             max_users_per_batch=n_max,
             epsilon=target_epsilon,
             delta=target_delta,
-            steps=total_steps,
+            steps=self.phase_steps[0],
             svt_epsilon=self.svt_epsilon,
             hooks=hooks,
             generator=self.secure_rng if self.secure_mode else noise_generator,
@@ -119,32 +153,67 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             average_iterates=average_iterates,
         )
         self.phase_users = phase_users
+        if phases == 1:
+            loader = loaders[0]
+        else:
+            per_iteration = sum(self.phase_steps) if epochs is None else math.ceil(sum(self.phase_steps) / epochs)
+            loader = PhasedUserDataLoader(loaders, per_iteration)
+            loader.add_phase_callback(self._start_phase)
         loader.stop_when = lambda: aup.halted
-        return self._finish(module, aup, loader, "aup", total_steps, gaussian_budget)
+        self._finish(module, aup, loader, "aup", self.phase_steps[0], gaussian_budget)
+        aup.attach_step_hook(self._account_step)  # the current phase's accountant at the current rate
+        return module, aup, loader
+
+    def _account_step(self, optimizer: AUPOptimizer) -> None:
+        self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=self.data_loader.sample_rate)
+
+    def _start_phase(self, phase: int) -> None:
+        """Switch optimizer, accountant and budget guard to ``phase`` (called by the phased loader)."""
+        self.phase = phase
+        self.accountant = self.phase_accountants[phase]
+        self.planned_steps = self.phase_steps[phase]
+        self.optimizer.start_phase(self.phase_noise_multipliers[phase], self.phase_steps[phase])
+
+    def _phase_epsilons(self, delta: float) -> List[float]:
+        """Each started phase's ε: its Gaussian steps plus ε_svt once its AboveThreshold was queried."""
+        queries = self.optimizer.svt_queries_by_phase if self.optimizer is not None else [0]
+        return [acc.get_epsilon(delta) + (self.svt_epsilon if queried else 0.0)
+                for acc, queried in zip(self.phase_accountants, queries)]
 
     def get_epsilon(self, delta: float) -> float:
-        """Gaussian steps' ε at ``delta`` plus AboveThreshold's ε_svt once it has answered a query."""
-        svt = self.svt_epsilon if self.optimizer is not None and self.optimizer.svt_queries else 0.0
-        return self.accountant.get_epsilon(delta) + svt
+        """The largest phase's ε (disjoint users: parallel composition); within a phase, the Gaussian
+        steps' ε at ``delta`` plus AboveThreshold's pure ε_svt (basic composition, Thm 3)."""
+        return max(self._phase_epsilons(delta), default=0.0)
 
     def privacy_report(self, delta: float) -> PrivacyReport:
         report = super().privacy_report(delta)
         opt: AUPOptimizer = self.optimizer
         report.max_grad_norm = None
         report.concentration_radius = opt.concentration_radius
+        report.steps = sum(self.phase_steps)
+        report.steps_taken = sum(acc.steps_taken for acc in self.phase_accountants)
         report.extra.update(
             {
-                "svt_epsilon": self.svt_epsilon if opt.svt_queries else 0.0,
-                "gaussian_epsilon": self.accountant.get_epsilon(delta),
-                "svt_queries": opt.svt_queries,
+                "svt_epsilon": self.svt_epsilon if any(opt.svt_queries_by_phase) else 0.0,
+                "gaussian_epsilon": max(acc.get_epsilon(delta) for acc in self.phase_accountants),
+                "svt_queries": sum(opt.svt_queries_by_phase),
                 "halted": opt.halted,
                 "halted_at_query": opt.halted_at_query,
                 "max_users_per_batch": opt.max_users_per_batch,
                 "noise_std": opt.noise_std,
                 "phase_users": self.phase_users,
-                "composition": "basic: Gaussian (PLD, truncated Poisson) + AboveThreshold (pure ε)",
+                "composition": "basic: Gaussian (PLD, truncated Poisson) + AboveThreshold (pure ε)"
+                + ("; parallel over disjoint phases" if len(self.phase_steps) > 1 else ""),
             }
         )
+        if len(self.phase_steps) > 1:
+            report.extra["phases"] = [
+                {"n_users": loader.n_users, "sample_rate": loader.sample_rate, "noise_multiplier": sigma,
+                 "steps": t, "steps_taken": acc.steps_taken, "epsilon": eps}
+                for loader, sigma, t, acc, eps in zip(self.data_loader.loaders, self.phase_noise_multipliers,
+                                                      self.phase_steps, self.phase_accountants,
+                                                      self._phase_epsilons(delta))
+            ]
         return report
 
 
@@ -188,18 +257,6 @@ def propose_concentration_radius(
     return float(torch.quantile(torch.cat(distances), coverage))
 
 
-def _half_of_the_users(data_loader: DataLoader, user_ids, user_column: str, seed: Optional[int]) -> DataLoader:
-    """Alg. 1 with k = 1: its only phase holds n/2^{k+1−1} = n/2 users (a seeded uniform half)."""
-    from .data import UserSubset, resolve_user_ids
-    from .data.users import is_hf_dataset
-
-    dataset = data_loader.dataset
-    index = resolve_user_ids(dataset, user_column=user_column, user_ids=user_ids)
-    chosen = np.random.default_rng(seed).permutation(index.n_users)[: index.n_users // 2]
-    rows = np.sort(np.concatenate([index.rows[u] for u in chosen])).tolist()
-    if is_hf_dataset(dataset) and user_ids is None:
-        subset = dataset.select(rows)
-    else:
-        subset = UserSubset(dataset, rows, index.keys[index.codes[rows]].tolist())
-    return DataLoader(subset, collate_fn=data_loader.collate_fn, num_workers=data_loader.num_workers,
-                      pin_memory=data_loader.pin_memory)
+def _phase_seed(seed: int, phase: int, phases: int) -> int:
+    """Phase ``phase``'s sampling seed (the seed itself with one phase, as without phases)."""
+    return seed if phases == 1 else int(np.random.SeedSequence([seed, phase]).generate_state(1)[0])

@@ -53,7 +53,7 @@ def test_aup_phases_split_users_disjointly():
     data = generate_btl_data(n_users=300, samples_per_user=4, d=3, seed=3)
     rng = np.random.default_rng(0)
     out = aup_rlhf(data, 8.0, 1e-5, users_per_batch=1000, steps=10, rng=rng, B=1.0, tau=1.0, lr=0.5, phases=2,
-                   phase_sizes="all")
+                   phase_users="all")
     assert out.steps_taken == 20
-    with pytest.raises(ValueError, match="phase_sizes"):
-        aup_rlhf(data, 8.0, 1e-5, users_per_batch=10, steps=1, rng=rng, B=1.0, phase_sizes="half")
+    with pytest.raises(ValueError, match="phase_users"):
+        aup_rlhf(data, 8.0, 1e-5, users_per_batch=10, steps=1, rng=rng, B=1.0, phase_users="half")

@@ -3,13 +3,14 @@ collation that keeps each row's user (SPEC §1)."""
 
 from .bounding import BoundingReport, UserSubset, bound_contributions
 from .collate import UserBatch, UserCollator, UserTaggedDataset, empty_like
-from .loader import UserDataLoader
+from .loader import PhasedUserDataLoader, UserDataLoader
 from .sampler import UserPoissonSampler
 from .users import DEFAULT_USER_COLUMN, UserIndex, resolve_user_ids
 
 __all__ = [
     "DEFAULT_USER_COLUMN",
     "BoundingReport",
+    "PhasedUserDataLoader",
     "UserBatch",
     "UserCollator",
     "UserDataLoader",

@@ -67,13 +67,15 @@ def bound_contributions(
     return UserSubset(dataset, kept.tolist(), index.keys[index.codes[kept]].tolist()), report
 
 
-def _user_rng(seed: Optional[int], key: Any) -> np.random.Generator:
+def _user_rng(seed: Optional[int], key: Any, stream: int = 0) -> np.random.Generator:
     """A generator for one user, keyed by the user's id: adding or removing another user leaves this
-    user's draw unchanged, so bounded neighbouring datasets still differ in one user only."""
+    user's draw unchanged, so bounded neighbouring datasets still differ in one user only. ``stream``
+    separates independent uses (0: contribution bounding, 1: phase assignment)."""
     if seed is None:
         return np.random.default_rng()
     digest = hashlib.sha256(repr(key).encode()).digest()
-    return np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
+    words = [seed, int.from_bytes(digest[:8], "little")]
+    return np.random.default_rng(words + [stream] if stream else words)
 
 
 def _draw_rows(index: UserIndex, m: int, seed: Optional[int]) -> np.ndarray:

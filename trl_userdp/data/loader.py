@@ -115,3 +115,84 @@ class UserDataLoader(DataLoader):
             for fn in self._callbacks:
                 fn(row_users)
             yield batch
+
+
+class PhasedUserDataLoader:
+    """AUP-RLHF's Alg. 1 phases run one after another: phase ``i``'s :class:`UserDataLoader` (its own
+    users, rate and step count) yields all its steps, then phase ``i + 1``'s. Before the first batch of
+    a new phase every phase callback runs with the phase index (the engine switches the optimizer's σ,
+    AboveThreshold and accountant there), so each batch must be stepped before the next is fetched.
+
+    One pass yields the next ``steps_per_iteration`` steps of the schedule (an epoch's worth when
+    the run was given in epochs), so ``for epoch in range(epochs): for batch in loader`` runs it all.
+    """
+
+    def __init__(self, loaders: Sequence[UserDataLoader], steps_per_iteration: int):
+        if not loaders:
+            raise ValueError("A phased loader needs at least one phase.")
+        self.loaders = list(loaders)
+        self.steps_per_iteration = int(steps_per_iteration)
+        self.phase = 0
+        self.user_key: Optional[str] = None
+        #: iteration ends early once this returns True (AUP-RLHF's halt)
+        self.stop_when: Optional[Callable[[], bool]] = None
+        self._phase_callbacks: List[Callable[[int], None]] = []
+        self._iterator: Optional[Iterator[Any]] = None
+        self._done = False
+
+    def __len__(self) -> int:
+        return self.steps_per_iteration
+
+    @property
+    def current(self) -> UserDataLoader:
+        return self.loaders[self.phase]
+
+    @property
+    def sample_rate(self) -> float:
+        """The current phase's user sampling rate."""
+        return self.current.sample_rate
+
+    @property
+    def users_per_batch(self) -> float:
+        return self.current.users_per_batch
+
+    @property
+    def n_users(self) -> int:
+        """Users over all phases."""
+        return sum(loader.n_users for loader in self.loaders)
+
+    @property
+    def last_row_users(self) -> Optional[torch.Tensor]:
+        return self.current.last_row_users
+
+    def add_batch_callback(self, fn: Callable[[torch.Tensor], None]) -> None:
+        for loader in self.loaders:
+            loader.add_batch_callback(fn)
+
+    def add_phase_callback(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(phase)`` before the first batch of every phase after the first."""
+        self._phase_callbacks.append(fn)
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(self.steps_per_iteration):
+            if self._done or (self.stop_when is not None and self.stop_when()):
+                return
+            batch = self._next_batch()
+            if self._done:
+                return
+            yield batch
+
+    def _next_batch(self) -> Any:
+        while True:
+            if self._iterator is None:
+                self._iterator = iter(self.current)
+            try:
+                return next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+                if self.phase + 1 == len(self.loaders):
+                    self._done = True
+                    return None
+                self.phase += 1
+                for fn in self._phase_callbacks:
+                    fn(self.phase)

@@ -20,6 +20,7 @@ from ..accountants import (
     poisson_gaussian_event,
     truncated_poisson_gaussian_event,
 )
+from ..data.phases import phase_shares
 from ..mechanisms import UserRandomizedResponse
 from ..optimizers.aup_optimizer import AboveThreshold, keep_probabilities, pairwise_distances
 from .btl import BTLData, project_theta
@@ -145,21 +146,18 @@ def theorem4_lr(L: float, B: float, n: int, d: int, m: int, epsilon: float, step
 def aup_rlhf(
     data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, rng: np.random.Generator,
     B: float, tau: Optional[float] = None, lr: Optional[float] = None, max_users_per_batch: Optional[int] = None,
-    svt_fraction: float = 0.5, phases: int = 1, phase_sizes: str = "all",
+    svt_fraction: float = 0.5, phases: int = 1, phase_users: str = "all",
 ) -> SGDResult:
     """AUP-RLHF (Alg. 1 with k = ``phases`` over disjoint user sets; Alg. 2 in each), with the same
     mechanism as :class:`~trl_userdp.optimizers.AUPOptimizer` (SPEC §2 M4's sensitivity correction,
     truncated Poisson sampling). ``tau`` and ``lr`` default to Thm 4's choices.
-    ``phase_sizes="paper"``: phase i has n/2^{k+1−i} users (Alg. 1 as written: for k = 1, half the
-    users); ``"all"``: the same geometric split rescaled to use every user. The users of each phase
-    are disjoint, so the run is (ε, δ) by parallel composition; each phase starts from the last."""
+    ``phase_users`` as in :func:`trl_userdp.data.phases.phase_shares` (``"paper"``: phase i has
+    n/2^{k+1−i} users, half of them unused at k = 1; ``"all"``: rescaled to use every user); here the
+    phases are exact-size slices of a random permutation. The users of each phase are disjoint, so
+    the run is (ε, δ) by parallel composition; each phase starts from the last."""
     x_all, y_all, m = _by_user(data)
     n_all, d = len(x_all), x_all.shape[-1]
-    weights = np.array([2.0 ** -(phases + 1 - i) for i in range(1, phases + 1)])
-    if phase_sizes == "all":
-        weights = weights / weights.sum()
-    elif phase_sizes != "paper":
-        raise ValueError(f"phase_sizes must be 'all' or 'paper', got {phase_sizes!r}.")
+    weights = phase_shares(phases, phase_users)
     order = rng.permutation(n_all)
     bounds = np.concatenate([[0], np.cumsum(np.floor(weights * n_all).astype(int))])
     theta = project_theta(np.zeros(d), B)

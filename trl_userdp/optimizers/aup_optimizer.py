@@ -117,15 +117,11 @@ class AUPOptimizer(UserDPOptimizer):
         self.cpu_generator = torch.Generator()
         self.cpu_generator.manual_seed(int(torch.randint(2**62, (), generator=self.generator, device=self.generator.device))
                                        if self.generator is not None else secrets.randbits(63))
-        self.svt = AboveThreshold(
-            4 * expected_batch_size / 5, self.svt_epsilon, (2 * self.max_users_per_batch - 1) / expected_batch_size,
-            self.cpu_generator,
-        )
-        self.noise_std = (
-            self.concentration_radius * noise_multiplier * math.sqrt(8 * math.log(math.exp(epsilon) * steps / delta))
-            / expected_batch_size
-        )
+        self.epsilon, self.delta = float(epsilon), float(delta)
+        #: AboveThreshold queries of the phases already finished (Alg. 1), one entry per phase
+        self.finished_phase_queries: List[int] = []
         self.halted = False
+        self._begin_phase(noise_multiplier, steps)
         self.halted_at_query: Optional[int] = None
         #: statistics of the last step's private batch, for tests and debugging: never log them
         self._debug_stats: dict = {}
@@ -133,9 +129,31 @@ class AUPOptimizer(UserDPOptimizer):
         self.iterate_average: Optional[List[torch.Tensor]] = None
         self._averaged = 0
 
+    def _begin_phase(self, noise_multiplier: float, steps: int) -> None:
+        """A fresh AboveThreshold (its own noisy threshold) and the Gaussian scale for ``steps`` steps."""
+        n_tilde = self.expected_batch_size
+        self.svt = AboveThreshold(4 * n_tilde / 5, self.svt_epsilon, (2 * self.max_users_per_batch - 1) / n_tilde,
+                                  self.cpu_generator)
+        self.noise_multiplier = float(noise_multiplier)
+        self.noise_std = (
+            self.concentration_radius * self.noise_multiplier
+            * math.sqrt(8 * math.log(math.exp(self.epsilon) * steps / self.delta)) / n_tilde
+        )
+
+    def start_phase(self, noise_multiplier: float, steps: int) -> None:
+        """Move to the next phase of Alg. 1 (a disjoint set of users): Alg. 2 starts afresh from the
+        current parameters, with the phase's σ and T. A halted run stays halted."""
+        self.finished_phase_queries.append(self.svt.queries)
+        self._begin_phase(noise_multiplier, steps)
+
     @property
     def svt_queries(self) -> int:
+        """AboveThreshold queries of the current phase."""
         return self.svt.queries
+
+    @property
+    def svt_queries_by_phase(self) -> List[int]:
+        return self.finished_phase_queries + [self.svt.queries]
 
     def pre_step(self, closure=None) -> bool:
         grads = self.unit_gradients()
@@ -149,7 +167,7 @@ class AUPOptimizer(UserDPOptimizer):
         dist = pairwise_distances(grads) if n_units else torch.zeros((0, 0), dtype=torch.float64)
         score = float((dist <= tau).sum()) / n_tilde
         if not self.svt.query(score):
-            self.halted, self.halted_at_query = True, self.svt_queries
+            self.halted, self.halted_at_query = True, sum(self.svt_queries_by_phase)
             logger.warning("AUP-RLHF halted: AboveThreshold answered ⊥ at query %d; no further steps are taken.",
                            self.svt_queries)
             self._debug_stats = {"score": score, "users": n_units, "halted": True}
