@@ -59,6 +59,10 @@ from trl_userdp.optimizers.aup_optimizer import pairwise_distances  # noqa: E402
 ESTIMATORS = ("non-private MLE", "user RR + de-biased MLE", "group DP-SGD", "user-wise DP-SGD", "AUP (Thm 4 τ, η)",
               "AUP (public τ)", "objective perturbation")
 D, DELTA, STEPS, LR, C = 5, 1e-5, 100, 0.5, 1.0
+#: every ε here is under the papers' neighbouring relation, "replace one user's labels" (SPEC §1): user RR
+#: and objective perturbation are ε-DP under it as defined; the DP-SGD family is calibrated to it by
+#: dp-accounting's PLD (add/remove-calibrated σ would give them about 2ε under replacement)
+RELATION = "replace"
 
 
 def public_tau(theta_star: np.ndarray, m: int, seed: int, coverage: float = 0.9) -> float:
@@ -73,7 +77,7 @@ def one_cell(n: int, m: int, eps: float, seed: int) -> Dict[str, float]:
     theta_star = sample_theta_star(D, 1.0, rng)
     data = generate_btl_data(n_users=n, samples_per_user=m, d=D, theta_star=theta_star, seed=int(rng.integers(2**31)))
     err = lambda th: float(np.linalg.norm(th - theta_star))  # noqa: E731
-    sgd = dict(users_per_batch=float(n), steps=STEPS, rng=rng, B=1.0)
+    sgd = dict(users_per_batch=float(n), steps=STEPS, rng=rng, B=1.0, relation=RELATION)
     aup_thm = aup_rlhf(data, eps, DELTA, **sgd)
     aup_pub = aup_rlhf(data, eps, DELTA, tau=public_tau(theta_star, m, seed + 7), lr=LR, **sgd)
     return {
@@ -107,10 +111,11 @@ def noise_table(ms: Sequence[int], epsilons: Sequence[float], total_pairs: int =
             steps = int(round(epochs / q))
             n_max = int(math.ceil(n_tilde + 4 * math.sqrt(n_tilde)))
             sigma_user = calibrate_noise_multiplier(lambda s: poisson_gaussian_event(s, q, steps), target_epsilon=eps,
-                                                    target_delta=DELTA, accountant="pld", tol=1e-3)
+                                                    target_delta=DELTA, accountant="pld", relation=RELATION, tol=1e-3)
             sigma_aup = calibrate_noise_multiplier(
                 lambda s: truncated_poisson_gaussian_event(s, q, steps, n, n_max), target_epsilon=eps / 2,
-                target_delta=DELTA / 2, accountant="pld", value_discretization_interval=1e-3, tol=1e-3)
+                target_delta=DELTA / 2, accountant="pld", relation=RELATION, value_discretization_interval=1e-3,
+                tol=1e-3)
             tau = C / math.sqrt(m)
             # Poisson fluctuation alone: score ≈ |U|²/ñ must stay ≥ 4ñ/5, i.e. |U| ≥ √0.8·ñ
             p_step = stats.poisson.sf(math.ceil(math.sqrt(0.8) * n_tilde) - 1, n_tilde)
@@ -146,7 +151,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     for name, cells in sweeps.items():
         res = sweep(cells, seeds)
         results[name] = res
-        print(f"\nSweep over {name}: ℓ2 error ‖θ̂ − θ*‖, mean ± 95% CI over {seeds} seeds (δ = {DELTA})")
+        print(f"\nSweep over {name}: ℓ2 error ‖θ̂ − θ*‖, mean ± 95% CI over {seeds} seeds "
+              f"(δ = {DELTA}, every ε under the {RELATION!r} relation)")
         rows = []
         for n, m, eps in cells:
             cell = res[f"{n}|{m}|{eps}"]
@@ -156,13 +162,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     table_eps = [3.0] if args.quick else args.epsilons
     noise = noise_table(args.table_ms, table_eps)
     print("\nPer-coordinate noise std on the averaged gradient, TL;DR setting (90k pairs, ñ·m = 500, 5 epochs), "
-          "C = 1, τ = C/√m")
+          f"C = 1, τ = C/√m, σ under the {RELATION!r} relation")
     tables.append(print_table(
         ["ε", "m", "n", "ñ", "T", "user-wise DP-SGD", "AUP-RLHF", "AUP/user-wise", "P(AUP survives T steps)"],
         [[r["epsilon"], r["m"], r["n"], f"{r['users_per_step']:g}", r["steps"], f"{r['user_wise']:.4f}",
           f"{r['aup']:.4f}", f"{r['aup'] / r['user_wise']:.2f}", f"{r['aup_survives_T']:.2e}"] for r in noise],
     ))
-    path = write_results(args.name, {"seeds": seeds, "settings": {"d": D, "delta": DELTA, "steps": STEPS, "lr": LR, "C": C},
+    settings = {"d": D, "delta": DELTA, "steps": STEPS, "lr": LR, "C": C, "neighboring_relation": RELATION}
+    path = write_results(args.name, {"seeds": seeds, "settings": settings,
                                      "results": results, "noise_table": noise, "tables": tables}, args.out)
     plot(results["m"], sweeps["m"], os.path.splitext(path)[0] + ".png")
     print(f"results: {path}")

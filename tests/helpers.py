@@ -14,7 +14,8 @@ from .tiny_models import btl_pair_losses, preference_dataset
 def make_private(model, *, users_per_batch=4, max_samples_per_user=3, lr=1.0, dataset=None, engine_kwargs=None, **kwargs):
     """(engine, model, optimizer, loader, reference copy of the model taken before the hooks)."""
     reference = copy.deepcopy(model)
-    dataset = dataset if dataset is not None else preference_dataset()
+    # uneven users (1 to 3 pairs, m = 3): "mean of user means" differs from the mean over rows
+    dataset = dataset if dataset is not None else preference_dataset(pairs_per_user=(1, 3, 2, 3, 1, 2))
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     engine = trl_userdp.PrivacyEngine(**(engine_kwargs or {}))
     kwargs.setdefault("noise_multiplier", 0.0)

@@ -19,9 +19,9 @@ def _task(n_users=300, m=4, seed=0):
     return TensorDataset(x, y), [i // m for i in range(n_users * m)]
 
 
-def _private(tau=5.0, eps=4.0, steps=20, upb=60.0, **kw):
+def _private(tau=5.0, eps=4.0, steps=20, upb=60.0, n_users=300, **kw):
     torch.manual_seed(0)
-    dataset, ids = _task()
+    dataset, ids = _task(n_users)
     model = torch.nn.Linear(5, 1)
     engine = trl_userdp.AdaptiveUserPrivacyEngine()
     model, opt, loader = engine.make_private_user_level(
@@ -43,7 +43,8 @@ def _train(model, opt, loader):
 
 
 def test_epsilon_is_the_gaussian_half_plus_the_above_threshold_half():
-    engine, model, opt, loader = _private()
+    # ñ = 1000 of 2000 users: |U_t| falls below √0.8·ñ (a halt) with probability < 1e-3 per step
+    engine, model, opt, loader = _private(upb=1000.0, n_users=2000, steps=10)
     assert _train(model, opt, loader) == len(loader)
     assert not opt.halted and opt.svt_queries == len(loader)
     steps, q, n, n_max = engine.accountant.steps_taken, loader.sample_rate, loader.n_users, opt.max_users_per_batch
@@ -53,7 +54,7 @@ def test_epsilon_is_the_gaussian_half_plus_the_above_threshold_half():
     assert engine.get_epsilon(1e-5) == pytest.approx(gaussian.get_epsilon(1e-5) + 2.0, rel=1e-9)
     # σ was calibrated so that the planned T Gaussian steps cost at most (ε/2, δ/2)
     planned = pld.PLDAccountant(value_discretization_interval=1e-3).compose(
-        dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(n, q, n_max, opt.noise_multiplier), 20)
+        dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(n, q, n_max, opt.noise_multiplier), 10)
     )
     assert 1.98 <= planned.get_epsilon(0.5e-5) <= 2.0
     report = engine.privacy_report(1e-5)

@@ -37,6 +37,9 @@ def test_account_prints_the_calibrated_sigmas(capsys):
         (["reward", "--privacy_mechanism", "laplace"], "privacy_mechanism must be one of"),
         (["dpo", "--target_epsilon", "0"], "target_epsilon must be a finite number > 0"),
         (["pipeline", "--mechanisms", "none", "magic"], "Unknown mechanism(s) ['magic']"),
+        (["pipeline", "--epsilons", "3", "0"], "epsilons must be a finite number > 0"),  # before any data is built
+        (["reward", "--dataset", "missing.jsonl"], "dataset file 'missing.jsonl' does not exist"),
+        (["rl", "--reward_model", "no/such/dir"], "no/such/dir"),
         (["bench", "nothing"], "bench needs a benchmark name"),
     ],
 )

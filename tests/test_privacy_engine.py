@@ -13,7 +13,7 @@ import trl_userdp
 from trl_userdp.accountants.analysis import RDP_ORDERS
 
 from .helpers import make_private
-from .tiny_models import MODELS, btl_pair_losses
+from .tiny_models import MODELS, btl_pair_losses, preference_dataset
 
 
 def _linear_task(n=200, n_users=30, seed=0):
@@ -113,6 +113,23 @@ def test_target_epsilon_calibrates_and_the_budget_guard_stops_at_the_plan():
     assert 2.97 <= engine.get_epsilon(1e-5) <= 3.0
 
 
+def test_a_plan_in_epochs_is_exactly_that_many_passes_over_the_loader():
+    """q = 6/26 is not 1/k: a pass is round(1/q) = 4 steps, so 5 epochs are 20 steps, all affordable."""
+    dataset, user_ids = _linear_task(n=200, n_users=26)
+    model = torch.nn.Linear(5, 1)
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
+        target_epsilon=3.0, target_delta=1e-5, epochs=5, max_grad_norm=1.0, max_samples_per_user=8,
+        users_per_batch=6, user_ids=user_ids,
+    )
+    for _ in range(5):
+        for x, y in loader:
+            optimizer.zero_grad(); _loss(model(x), y).backward(); optimizer.step()  # noqa: E702
+    assert len(loader) == 4 and engine.planned_steps == engine.accountant.steps_taken == 20
+    assert not engine.budget_allows_step()
+
+
 def test_a_fixed_sigma_with_a_target_trains_until_the_budget_is_spent():
     dataset, user_ids = _linear_task()
     model = torch.nn.Linear(5, 1)
@@ -139,7 +156,7 @@ def test_a_fixed_sigma_with_a_target_trains_until_the_budget_is_spent():
 def test_group_baseline_accounts_records_through_group_privacy(group_accounting):
     engine, model, optimizer, loader, _ = make_private(
         MODELS["llama"](), mechanism="group", group_accounting=group_accounting, noise_multiplier=3.0,
-        max_grad_norm=1.0, users_per_batch=3, max_samples_per_user=3,
+        max_grad_norm=1.0, users_per_batch=3, max_samples_per_user=3, dataset=preference_dataset(),  # 3 pairs each
     )
     n_records = len(loader.user_dataset)
     assert loader.sample_rate == pytest.approx(3 / 6) and n_records == 18

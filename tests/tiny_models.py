@@ -58,14 +58,16 @@ MODELS = {
 
 
 def preference_dataset(n_users=6, pairs_per_user=3, seed=0) -> Dataset:
+    """Random token pairs; ``pairs_per_user`` is one count for everyone or one count per user."""
     rng = np.random.default_rng(seed)
-    n = n_users * pairs_per_user
+    counts = np.broadcast_to(np.asarray(pairs_per_user), (n_users,))
+    n = int(counts.sum())
     seq = lambda: [int(t) for t in rng.integers(1, VOCAB, rng.integers(3, 9))]  # noqa: E731
     return Dataset.from_dict(
         {
             "chosen_ids": [seq() for _ in range(n)],
             "rejected_ids": [seq() for _ in range(n)],
-            "user_id": [f"user{u}" for u in np.repeat(np.arange(n_users), pairs_per_user)],
+            "user_id": [f"user{u}" for u in np.repeat(np.arange(n_users), counts)],
         }
     )
 

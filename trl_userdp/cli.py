@@ -35,6 +35,7 @@ def _walkthrough_rows(args: AccountArguments, progress: Callable) -> List[Dict[s
         poisson_gaussian_event,
         randomized_response_noise_parameter,
     )
+    from .accountants.accountant import COARSE_DISCRETIZATION  # the engine's ELS grid: coarser over-states σ
 
     q = args.users_per_batch / args.n_users
     steps = check_steps(args.steps, None if args.steps is not None else args.epochs, q)
@@ -56,7 +57,7 @@ def _walkthrough_rows(args: AccountArguments, progress: Callable) -> List[Dict[s
         progress(f"ε={eps}: group privacy")
         row["group_pld"] = calibrate_noise_multiplier(user_event, accountant="pld", group_size=m, **cal)
         progress(f"ε={eps}: ELS")
-        row["els_pld"] = calibrate_noise_multiplier(els, accountant="pld", value_discretization_interval=1e-2, **cal)
+        row["els_pld"] = calibrate_noise_multiplier(els, accountant="pld", value_discretization_interval=COARSE_DISCRETIZATION, **cal)
         progress(f"ε={eps}: AUP Gaussian half")
         row["aup_half"] = calibrate_noise_multiplier(
             user_event, accountant="pld", target_epsilon=eps / 2, target_delta=args.delta / 2, tol=1e-3
@@ -158,6 +159,8 @@ def _load_data(data: "DataArguments", user_column: str, for_dpo: bool = False):
     if os.path.isdir(data.dataset):
         dataset = load_from_disk(data.dataset)
     elif data.dataset.endswith((".json", ".jsonl", ".csv")):
+        if not os.path.isfile(data.dataset):
+            raise ValueError(f"dataset file {data.dataset!r} does not exist.")
         dataset = load_dataset("csv" if data.dataset.endswith(".csv") else "json", data_files=data.dataset, split="train")
     else:
         raise ValueError(f"dataset must be 'imdb', a saved dataset directory or a .json/.jsonl/.csv file, got {data.dataset!r}.")
@@ -319,7 +322,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser = TrlParser(dataclass_types=_types(name), prog=f"trl-userdp {name}")
         parsed = parser.parse_args_and_config(args=rest)
         return COMMANDS[name](*parsed)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # bad input, a missing file or model directory: one line, no traceback
         print(f"trl-userdp: error: {err}", file=sys.stderr)
         return 2
 

@@ -38,6 +38,7 @@ from .validators import (
     check_noise_multiplier,
     check_positive,
     check_steps,
+    steps_per_epoch,
 )
 
 MECHANISMS = ("user_dpsgd", "group")
@@ -210,7 +211,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         # group: every record is its own sampling and clipping unit, at the users' rate q
         q = users_per_batch / self.bounding.n_users
         loader = UserDataLoader(
-            bounded, users_per_batch=q * len(bounded), user_ids=range(len(bounded)), steps=int(round(1 / q)), **kwargs
+            bounded, users_per_batch=q * len(bounded), user_ids=range(len(bounded)), steps=steps_per_epoch(q), **kwargs
         )
         return loader, q * len(bounded)
 

@@ -52,13 +52,20 @@ def check_sample_rate(q: float, name: str = "sample_rate") -> float:
     return float(q)
 
 
+def steps_per_epoch(sample_rate: float) -> int:
+    """Steps in one pass over a user-level loader at user sampling rate q: ``round(1/q)``, at least 1."""
+    return max(1, int(round(1 / check_sample_rate(sample_rate))))
+
+
 def check_steps(steps: Optional[int], epochs: Optional[float], sample_rate: float) -> int:
-    """Exactly one of ``steps`` or ``epochs``; an epoch is 1/q steps, as in Opacus."""
+    """Exactly one of ``steps`` or ``epochs``. An epoch is one pass over the user-level loader,
+    ``round(1/q)`` steps (as in Opacus, where an epoch is ``len(loader)`` steps), so a plan of E epochs
+    is exactly E passes and the budget guard never cuts the last one short."""
     if (steps is None) == (epochs is None):
         raise ValueError("Give exactly one of `steps` or `epochs`.")
     if steps is None:
         check_positive(epochs, "epochs")
-        steps = int(round(epochs / sample_rate))
+        steps = max(1, int(round(epochs * steps_per_epoch(sample_rate))))
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}.")
     return steps

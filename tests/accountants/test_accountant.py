@@ -57,6 +57,11 @@ def test_no_steps_means_no_privacy_spent_and_bad_delta_raises():
         acc.get_epsilon(1.5)
     with pytest.raises(ValueError, match="neighboring_relation"):
         DPRdpAccountant(relation="swap")
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        acc.step(noise_multiplier=-1.0, sample_rate=0.1)
+    with pytest.raises(ValueError, match="sample_rate"):
+        acc.step(noise_multiplier=1.0, sample_rate=1.5)
+    assert acc.history == []
 
 
 def test_optimizer_hook_steps_the_accountant():

@@ -94,3 +94,6 @@ def test_user_data_loader_removes_the_user_column_and_rejects_unbounded_users():
         UserDataLoader(ds, users_per_batch=1, max_samples_per_user=2)
     with pytest.raises(ValueError, match="batch_size"):
         UserDataLoader(ds, users_per_batch=1, batch_size=4)
+    for bad_m in (0, 2.5):
+        with pytest.raises(ValueError, match="max_samples_per_user must be an integer >= 1"):
+            UserDataLoader(ds, users_per_batch=1, max_samples_per_user=bad_m)

@@ -1,4 +1,5 @@
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from datasets import Dataset
@@ -61,6 +62,11 @@ def test_torch_dataset_with_user_ids_becomes_a_user_subset():
         (lambda: Dataset.from_dict({"x": [1, 2], "user_id": ["a", None]}), {}, "no user id"),
         (lambda: TensorDataset(torch.zeros(3)), {}, "pass `user_ids=`"),
         (lambda: TensorDataset(torch.zeros(3)), {"user_ids": [1, float("nan"), 2]}, "no user id"),
+        (lambda: TensorDataset(torch.zeros(3)), {"user_ids": [1, np.float32("nan"), 2]}, "no user id"),
+        (lambda: TensorDataset(torch.zeros(3)), {"user_ids": np.array([1.0, np.nan, 2.0])}, "no user id"),
+        (lambda: TensorDataset(torch.zeros(3)), {"user_ids": torch.tensor([1.0, float("nan"), 2.0])}, "no user id"),
+        (lambda: TensorDataset(torch.zeros(3)), {"user_ids": [1, torch.tensor(float("nan")), 2]}, "no user id"),
+        (lambda: TensorDataset(torch.zeros(3)), {"user_ids": [1, pd.NA, 2]}, "no user id"),
         (lambda: TensorDataset(torch.zeros(3)), {"user_ids": [1, 2]}, "2 entries"),
     ],
 )

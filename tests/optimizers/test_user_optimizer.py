@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import trl_userdp
 
 from ..helpers import assert_same_gradient, first_batch, make_private, pairs_by_user, sub_batch
-from ..tiny_models import MODELS, btl_pair_losses
+from ..tiny_models import MODELS, btl_pair_losses, preference_dataset
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -45,7 +45,9 @@ def test_an_adversarial_user_moves_the_update_by_at_most_its_sensitivity(mechani
     """User-wise DP-SGD: one user shifts the pre-noise update by ≤ C/ñ however many records it has.
     Group baseline: by ≤ k·C/ñ for the k ≤ m records it has in the step (per-record clipping)."""
     C = 0.01
-    engine, model, optimizer, loader, _ = make_private(MODELS["llama"](), max_grad_norm=C, mechanism=mechanism, users_per_batch=5)
+    engine, model, optimizer, loader, _ = make_private(
+        MODELS["llama"](), max_grad_norm=C, mechanism=mechanism, users_per_batch=5, dataset=preference_dataset()
+    )
     if mechanism == "user_dpsgd":
         user_of = lambda code: code  # noqa: E731 - units are users
     else:  # units are records of the bounded dataset
@@ -72,7 +74,7 @@ def test_an_adversarial_user_moves_the_update_by_at_most_its_sensitivity(mechani
 
 
 def test_noise_variance_matches_sigma_c_over_n_tilde():
-    sigma, C, ñ = 2.0, 0.5, 4.0
+    sigma, C, ñ = 2.0, 0.5, 2.5  # a float ñ: Opacus's integer expected batch size would give (σC/2)² or (σC/3)²
     model = torch.nn.Linear(40, 50)
     ds = TensorDataset(torch.randn(60, 40))
     engine = trl_userdp.PrivacyEngine()

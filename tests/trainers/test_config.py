@@ -1,6 +1,7 @@
 """Unsafe settings are rejected before training, or overridden with a warning where the safe value is
 unambiguous (issue 6, SPEC §6)."""
 
+import copy
 import logging
 
 import pytest
@@ -64,3 +65,33 @@ def test_the_trainer_needs_its_own_config(tmp_path):
 
     with pytest.raises(ValueError, match="UserDPRewardConfig"):
         reward_script(UserDPRewardTrainer, RewardConfig, str(tmp_path))
+
+
+def test_privacy_fields_changed_after_the_config_was_built_are_checked_again(tmp_path):
+    from ..tiny_models import text_preference_dataset, tiny_tokenizer
+    from .scripts import tiny_reward_model
+
+    tokenizer = tiny_tokenizer()
+    args = _cfg(UserDPRewardConfig)
+    args.gradient_accumulation_steps = 2  # after __post_init__'s checks
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be 1"):
+        UserDPRewardTrainer(model=tiny_reward_model(tokenizer), args=args, train_dataset=text_preference_dataset(),
+                            processing_class=tokenizer)
+
+
+def test_a_mixture_of_experts_router_loss_is_refused_under_dp(tmp_path):
+    """The router's load-balancing loss is a statistic of the whole batch: it couples users."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from ..tiny_models import text_preference_dataset, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    moe = MixtralForCausalLM(MixtralConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                           num_local_experts=2, num_experts_per_tok=1, pad_token_id=0))
+    args = _cfg(UserDPDPOConfig)
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.0"):
+        UserDPDPOTrainer(model=moe, ref_model=copy.deepcopy(moe), args=args, train_dataset=text_preference_dataset(),
+                         processing_class=tokenizer)

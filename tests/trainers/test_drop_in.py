@@ -87,4 +87,7 @@ def test_train_returns_no_private_loss_and_eval_logs_no_training_token_count(tmp
     assert "train_loss" not in output.metrics and output.training_loss != output.training_loss  # NaN
     metrics = trainer.evaluate(text_preference_dataset(n_users=2, pairs_per_user=2))
     assert not any(k.endswith("num_tokens") for k in metrics)
+    # TRL's log() re-adds the training-token count from its own eval metrics: it must not reach the logs
+    assert "eval_loss" in trainer.state.log_history[-1]
+    assert not any(k.endswith("num_tokens") for entry in trainer.state.log_history for k in entry)
     assert trainer.model.privacy_report.steps_taken == trainer.privacy_engine.accountant.steps_taken

@@ -69,3 +69,28 @@ def test_a_reward_model_trained_without_privacy_is_not_private(tmp_path):
         UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model,
                           args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
                           processing_class=tokenizer)
+
+
+def test_declaring_a_rule_public_keeps_the_private_reward_models_report(tmp_path, private_reward):
+    """reward_model_is_public covers the rewards without a report; a private reward model's ε is still carried."""
+    reward_model, reward_dir = private_reward
+    tokenizer = tiny_tokenizer()
+    length_reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=[reward_model, length_reward],
+                                args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
+                                processing_class=tokenizer, reward_processing_classes=[tokenizer, None],
+                                reward_model_is_public=True)
+    carried = trainer.carried_privacy_report()
+    assert carried.mechanism == "post-processing"
+    assert carried.epsilon == pytest.approx(PrivacyReport.load(reward_dir).epsilon) and carried.epsilon > 0
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_preference_labels_in_the_eval_dataset_are_refused(tmp_path, private_reward, as_dict):
+    tokenizer = tiny_tokenizer()
+    with_labels = PROMPTS.add_column("chosen", ["x"] * len(PROMPTS))
+    eval_dataset = {"heldout": with_labels} if as_dict else with_labels
+    with pytest.raises(ValueError, match=r"eval_dataset.* has columns \['chosen'\] besides"):
+        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
+                          args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
+                          eval_dataset=eval_dataset, processing_class=tokenizer)

@@ -21,7 +21,7 @@ import dp_accounting as dpa
 from opacus.accountants import IAccountant, RDPAccountant
 from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
-from ..validators import check_delta
+from ..validators import check_delta, check_noise_multiplier, check_sample_rate
 from .analysis import compute_epsilon, neighboring_relation
 from .events import els_event, poisson_gaussian_event, truncated_poisson_gaussian_event
 
@@ -61,8 +61,11 @@ class DPAccountingAccountant(IAccountant):
         """An empty accountant with the same configuration."""
         return type(self)(relation=self.relation, group_size=self.group_size, els=self.els, truncation=self.truncation)
 
-    #: Same history bookkeeping as Opacus: consecutive steps with equal (σ, q) are merged.
-    step = RDPAccountant.step
+    def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
+        """Record one step at (σ, q); consecutive equal steps merge, as in Opacus's accountants."""
+        check_noise_multiplier(noise_multiplier)
+        check_sample_rate(sample_rate)
+        RDPAccountant.step(self, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
 
     @property
     def conversion_group_size(self) -> Optional[int]:

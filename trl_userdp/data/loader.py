@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader
 
+from ..validators import check_max_samples_per_user
 from .collate import UserCollator, UserTaggedDataset
 from .sampler import UserPoissonSampler
 from .users import DEFAULT_USER_COLUMN, UserIndex, resolve_user_ids
@@ -51,6 +52,7 @@ class UserDataLoader(DataLoader):
             raise ValueError(f"UserDataLoader draws its own batches over users; do not pass {clash}.")
         self.user_index: UserIndex = resolve_user_ids(dataset, user_column=user_column, user_ids=user_ids)
         if max_samples_per_user is not None:
+            max_samples_per_user = check_max_samples_per_user(max_samples_per_user)
             worst = int(self.user_index.counts.max())
             if worst > max_samples_per_user:
                 raise ValueError(

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from ..validators import check_max_samples_per_user, check_users_per_batch
+from ..validators import check_max_samples_per_user, check_users_per_batch, steps_per_epoch
 from .users import UserIndex
 
 
@@ -49,7 +49,7 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.users = users
         self.users_per_batch = check_users_per_batch(users_per_batch, users.n_users)
         self.sample_rate = self.users_per_batch / users.n_users
-        self.steps = int(round(1 / self.sample_rate)) if steps is None else int(steps)
+        self.steps = steps_per_epoch(self.sample_rate) if steps is None else int(steps)
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps!r}.")
         if max_users_per_batch is not None and max_users_per_batch < self.users_per_batch:

@@ -39,9 +39,9 @@ class UserIndex:
     def from_ids(cls, ids: Sequence[Any]) -> "UserIndex":
         """Build the index, rejecting missing ids (``None`` or NaN): a row without a user cannot be
         bounded or accounted, and guessing one would silently break the guarantee."""
-        ids = list(ids)
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # tensors and arrays -> Python scalars
         for i, u in enumerate(ids):
-            if u is None or (isinstance(u, float) and math.isnan(u)):
+            if _is_missing(u):
                 raise ValueError(f"Row {i} has no user id ({u!r}); every row needs one for user-level DP.")
         if not ids:
             raise ValueError("The dataset is empty: there are no users to train on.")
@@ -50,6 +50,15 @@ class UserIndex:
         order = np.argsort(codes, kind="stable")
         bounds = np.cumsum(np.bincount(codes, minlength=len(keys)))[:-1]
         return cls(codes=codes, keys=keys, rows=np.split(order, bounds))
+
+
+def _is_missing(u: Any) -> bool:
+    """None, NaN of any float type (Python, NumPy, a 0-d tensor) or pandas' NA."""
+    if u is None or type(u).__name__ in ("NAType", "NaTType"):
+        return True
+    if hasattr(u, "item") and getattr(u, "ndim", None) == 0:  # NumPy scalar or 0-d tensor
+        u = u.item()
+    return isinstance(u, float) and math.isnan(u)
 
 
 def is_hf_dataset(dataset: Any) -> bool:

@@ -57,18 +57,18 @@ def user_objective_perturbation(
 
 
 @lru_cache(maxsize=256)
-def _sigma_poisson(epsilon, delta, q, steps, group_size=None) -> float:
+def _sigma_poisson(epsilon, delta, q, steps, group_size=None, relation="add_or_remove") -> float:
     return calibrate_noise_multiplier(
         lambda s: poisson_gaussian_event(s, q, steps), target_epsilon=epsilon, target_delta=delta,
-        accountant="pld", group_size=group_size, tol=1e-3,
+        accountant="pld", group_size=group_size, relation=relation, tol=1e-3,
     )
 
 
 @lru_cache(maxsize=256)
-def _sigma_truncated(epsilon, delta, q, steps, n_users, n_max) -> float:
+def _sigma_truncated(epsilon, delta, q, steps, n_users, n_max, relation="add_or_remove") -> float:
     return calibrate_noise_multiplier(
         lambda s: truncated_poisson_gaussian_event(s, q, steps, n_users, n_max), target_epsilon=epsilon,
-        target_delta=delta, accountant="pld", value_discretization_interval=1e-3, tol=1e-3,
+        target_delta=delta, accountant="pld", relation=relation, value_discretization_interval=1e-3, tol=1e-3,
     )
 
 
@@ -85,14 +85,15 @@ def _average(iterates) -> np.ndarray:
 
 def user_dpsgd(
     data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, lr: float,
-    max_grad_norm: float, rng: np.random.Generator, B: float,
+    max_grad_norm: float, rng: np.random.Generator, B: float, relation: str = "add_or_remove",
 ) -> SGDResult:
     """User-wise DP-SGD (AUP-RLHF Alg. 4; Chua et al. 2024): clip each sampled user's averaged
-    gradient to C, add N(0, σ²C²), divide by ñ; σ for T Poisson-subsampled steps at (ε, δ)."""
+    gradient to C, add N(0, σ²C²), divide by ñ; σ for T Poisson-subsampled steps at (ε, δ) under
+    ``relation`` (``"replace"``: the papers' change-one-user neighbours)."""
     x, y, _ = _by_user(data)
     n = len(x)
     q = users_per_batch / n
-    sigma = _sigma_poisson(epsilon, delta, q, steps)
+    sigma = _sigma_poisson(epsilon, delta, q, steps, relation=relation)
     theta = project_theta(np.zeros(x.shape[-1]), B)
     iterates = []
     for _ in range(steps):
@@ -107,15 +108,15 @@ def user_dpsgd(
 
 def group_dpsgd(
     data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, lr: float,
-    max_grad_norm: float, rng: np.random.Generator, B: float,
+    max_grad_norm: float, rng: np.random.Generator, B: float, relation: str = "add_or_remove",
 ) -> SGDResult:
     """Item-level DP-SGD made user-level by group privacy over a user's m records (Chua et al.
     2024 baseline): records Poisson-sampled at the users' rate q, each clipped to C, noise σC with σ
-    calibrated so that the group conversion gives (ε, δ) per user."""
+    calibrated so that the group conversion gives (ε, δ) per user under ``relation``."""
     x, y, m = _by_user(data)
     xs, ys = data.x, data.y
     q = users_per_batch / len(x)
-    sigma = _sigma_poisson(epsilon, delta, q, steps, group_size=m)
+    sigma = _sigma_poisson(epsilon, delta, q, steps, group_size=m, relation=relation)
     theta = project_theta(np.zeros(xs.shape[-1]), B)
     iterates = []
     expected = q * len(xs)
@@ -146,7 +147,7 @@ def theorem4_lr(L: float, B: float, n: int, d: int, m: int, epsilon: float, step
 def aup_rlhf(
     data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, rng: np.random.Generator,
     B: float, tau: Optional[float] = None, lr: Optional[float] = None, max_users_per_batch: Optional[int] = None,
-    svt_fraction: float = 0.5, phases: int = 1, phase_users: str = "all",
+    svt_fraction: float = 0.5, phases: int = 1, phase_users: str = "all", relation: str = "add_or_remove",
 ) -> SGDResult:
     """AUP-RLHF (Alg. 1 with k = ``phases`` over disjoint user sets; Alg. 2 in each), with the same
     mechanism as :class:`~trl_userdp.optimizers.AUPOptimizer` (SPEC §2 M4's sensitivity correction,
@@ -154,7 +155,8 @@ def aup_rlhf(
     ``phase_users`` as in :func:`trl_userdp.data.phases.phase_shares` (``"paper"``: phase i has
     n/2^{k+1−i} users, half of them unused at k = 1; ``"all"``: rescaled to use every user); here the
     phases are exact-size slices of a random permutation. The users of each phase are disjoint, so
-    the run is (ε, δ) by parallel composition; each phase starts from the last."""
+    the run is (ε, δ) by parallel composition; each phase starts from the last. ``relation`` is the
+    Gaussian half's neighbouring relation (AboveThreshold's sensitivity covers both)."""
     x_all, y_all, m = _by_user(data)
     n_all, d = len(x_all), x_all.shape[-1]
     weights = phase_shares(phases, phase_users)
@@ -167,7 +169,7 @@ def aup_rlhf(
         result = _aup_phase(
             theta, x_all[users], y_all[users], epsilon, delta, users_per_batch=min(users_per_batch, len(users)),
             steps=steps, rng=rng, B=B, L=data.L, m=m, tau=tau, lr=lr, max_users_per_batch=max_users_per_batch,
-            svt_fraction=svt_fraction,
+            svt_fraction=svt_fraction, relation=relation,
         )
         theta, total_steps = result.theta, total_steps + result.steps_taken
         if result.halted:
@@ -176,7 +178,7 @@ def aup_rlhf(
 
 
 def _aup_phase(theta, x, y, epsilon, delta, *, users_per_batch, steps, rng, B, L, m, tau, lr, max_users_per_batch,
-               svt_fraction) -> SGDResult:
+               svt_fraction, relation) -> SGDResult:
     n, d = len(x), x.shape[-1]
     tau = theorem4_tau(L, n, d, m, epsilon, steps, delta) if tau is None else tau
     lr = theorem4_lr(L, B, n, d, m, epsilon, steps, delta) if lr is None else lr
@@ -185,7 +187,7 @@ def _aup_phase(theta, x, y, epsilon, delta, *, users_per_batch, steps, rng, B, L
     n_max = min(n_max, n)
     q = n_tilde / n
     eps_svt = svt_fraction * epsilon
-    sigma = _sigma_truncated(epsilon - eps_svt, delta / 2, q, steps, n, n_max)
+    sigma = _sigma_truncated(epsilon - eps_svt, delta / 2, q, steps, n, n_max, relation)
     noise_std = tau * sigma * math.sqrt(8 * (epsilon + math.log(steps / delta))) / n_tilde
     svt = AboveThreshold(4 * n_tilde / 5, eps_svt, (2 * n_max - 1) / n_tilde,
                          torch.Generator().manual_seed(int(rng.integers(2**62))))

@@ -41,6 +41,7 @@ from ..data.imdb import load_imdb_reviews
 from ..losses import BTLLoss, RRDebiasedRewardLoss
 from ..mechanisms import UserRandomizedResponse
 from ..privacy_engine import PrivacyEngine
+from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_positive, check_users_per_batch
 from .embedding_reward import EmbeddingRewardFunction, LinearRewardHead, MiniLMEncoder, btl_margin, pair_accuracy
 from .gold import gold_reward
 
@@ -77,6 +78,21 @@ class PipelineArguments:
     completion_tokens: int = dataclasses.field(default=16, metadata={"help": "Tokens generated per completion."})
     output_dir: str = dataclasses.field(default="runs/pipeline", metadata={"help": "Where models, results and the plot go."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed of data, sampling and training."})
+
+    def __post_init__(self):
+        """Bad settings fail here, before minutes of data building and embedding."""
+        unknown = set(self.mechanisms) - set(MECHANISMS)
+        if unknown:
+            raise ValueError(f"Unknown mechanism(s) {sorted(unknown)}; choose from {MECHANISMS}.")
+        for eps in self.epsilons:
+            check_epsilon(eps, "epsilons")
+        check_delta(self.delta, "delta")
+        check_max_samples_per_user(self.max_samples_per_user)
+        check_positive(self.n_users, "n_users")
+        check_users_per_batch(self.users_per_batch, self.n_users)
+        check_positive(self.reward_epochs, "reward_epochs")
+        if self.gold not in ("tfidf", "vader"):
+            raise ValueError(f"gold must be 'tfidf' or 'vader', got {self.gold!r}.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -352,9 +368,7 @@ def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, da
 
 def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
     """Run all stages; print and save the table, the curves and the plot. Returns the results."""
-    unknown = set(args.mechanisms) - set(MECHANISMS)
-    if unknown:
-        raise ValueError(f"Unknown mechanism(s) {sorted(unknown)}; choose from {MECHANISMS}.")
+    args.__post_init__()  # the fields may have been changed since construction
     start = time.time()
     os.makedirs(args.output_dir, exist_ok=True)
     stages = tqdm(total=4, desc="pipeline", leave=True)

@@ -77,6 +77,11 @@ class UserDPDPOTrainer(UserDPTrainerMixin, DPOTrainer):
             args.loss_type, args.label_smoothing = ["robust"], self.randomized_response.flip_rate
             logger.info("Randomized response: rDPO with label_smoothing = flip rate %.4f.", args.label_smoothing)
         super().__init__(model, ref_model, args, data_collator, train_dataset, *rest, **kwargs)
+        if self._dp_active and getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                "The Mixture-of-Experts router auxiliary loss is computed over the whole batch and couples users, "
+                "which breaks the per-user bound: set router_aux_loss_coef=0.0 under user-level DP."
+            )
         self._init_privacy()
         if self._dp_active:
             policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model

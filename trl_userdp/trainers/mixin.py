@@ -92,7 +92,9 @@ class UserDPTrainerMixin:
         return train_dataset
 
     def _init_privacy(self) -> None:
-        """After the TRL trainer's ``__init__``: check the user column, add the budget callback."""
+        """After the TRL trainer's ``__init__``: check the privacy fields again (they may have been changed
+        after the config was built) and the user column, add the budget callback."""
+        self.args._validate_privacy_fields()
         self.privacy_engine = None
         self._restored_privacy_state: Optional[Dict[str, Any]] = None
         if self.args.privacy_mechanism in GRADIENT_MECHANISMS:
@@ -221,6 +223,8 @@ class UserDPTrainerMixin:
                 logs = {k: v for k, v in logs.items() if k in PUBLIC_LOG_KEYS}
             else:  # evaluation metrics are the user's, but TRL adds its running count of *training* tokens
                 logs = {k: v for k, v in logs.items() if not k.endswith("num_tokens")}
+                if hasattr(self, "_metrics"):  # ... inside its own log(), from _metrics["eval"]
+                    self._metrics["eval"].pop("num_tokens", None)
         if private:
             logs["epsilon"] = self.current_epsilon()
             logs["delta"] = self.args.target_delta if self._dp_active else 0.0

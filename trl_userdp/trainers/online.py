@@ -36,33 +36,43 @@ def find_privacy_report(reward: Any) -> Optional[PrivacyReport]:
 class UserDPOnlineMixin:
     """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`."""
 
-    def _check_private_inputs(self, reward_funcs, train_dataset, reward_model_is_public: bool,
+    def _check_private_inputs(self, reward_funcs, train_dataset, eval_dataset, reward_model_is_public: bool,
                               public_columns=("prompt",)) -> None:
+        """``reward_model_is_public`` declares the rewards without a finite-ε report public (a rule, or a
+        model trained without privacy on public data); a finite-ε report is carried over whatever the flag."""
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         self.reward_privacy_reports: List[PrivacyReport] = []
         for func in funcs:
             report = find_privacy_report(func)
-            if report is None and not reward_model_is_public:
-                name = func if isinstance(func, str) else getattr(func, "__name__", type(func).__name__)
-                raise ValueError(
-                    f"Reward {name!r} has no privacy report: train it with UserDPRewardTrainer (which attaches one and "
-                    "saves privacy_report.json), or pass reward_model_is_public=True if it saw no private data."
-                )
-            if report is not None and not reward_model_is_public:
-                if math.isinf(report.epsilon):
+            name = func if isinstance(func, str) else getattr(func, "__name__", type(func).__name__)
+            if report is None:
+                if not reward_model_is_public:
                     raise ValueError(
-                        f"Reward {getattr(func, '__name__', type(func).__name__)!r} was trained without privacy "
-                        f"(mechanism {report.mechanism!r}, ε = ∞); pass reward_model_is_public=True if that is intended."
+                        f"Reward {name!r} has no privacy report: train it with UserDPRewardTrainer (which attaches one "
+                        "and saves privacy_report.json), or pass reward_model_is_public=True if it saw no private data."
                     )
-                self.reward_privacy_reports.append(report)
-        columns = set(getattr(train_dataset, "column_names", ()) or ())
-        extra = sorted(columns - set(public_columns))
-        if extra:
-            raise ValueError(
-                f"The online-RL dataset has columns {extra} besides {list(public_columns)}: online RL must not see the "
-                "private preference data (GRPO hands every column to the reward functions). Drop them, or list public "
-                "ones in `public_columns`."
-            )
+                continue
+            if math.isinf(report.epsilon):
+                if reward_model_is_public:
+                    continue
+                raise ValueError(
+                    f"Reward {name!r} was trained without privacy (mechanism {report.mechanism!r}, ε = ∞); pass "
+                    "reward_model_is_public=True if its training data is public."
+                )
+            self.reward_privacy_reports.append(report)
+        datasets = {"train_dataset": train_dataset}
+        if isinstance(eval_dataset, dict):
+            datasets.update({f"eval_dataset[{k!r}]": v for k, v in eval_dataset.items()})
+        else:
+            datasets["eval_dataset"] = eval_dataset
+        for where, dataset in datasets.items():
+            extra = sorted(set(getattr(dataset, "column_names", ()) or ()) - set(public_columns))
+            if extra:
+                raise ValueError(
+                    f"The online-RL {where} has columns {extra} besides {list(public_columns)}: online RL must not see "
+                    "the private preference data (GRPO hands every column to the reward functions). Drop them, or "
+                    "list public ones in `public_columns`."
+                )
 
     def carried_privacy_report(self) -> PrivacyReport:
         """The policy's guarantee: that of its reward model(s), by post-processing (several private reward
@@ -94,17 +104,17 @@ class UserDPRLOOTrainer(UserDPOnlineMixin, RLOOTrainer):
     """``trl.RLOOTrainer`` whose reward model(s) must be user-level private (or declared public); extra
     keywords ``reward_model_is_public`` and ``public_columns`` (dataset columns allowed besides prompts)."""
 
-    def __init__(self, model, reward_funcs, args=None, train_dataset=None, *rest, reward_model_is_public: bool = False,
-                 public_columns=("prompt",), **kwargs):
-        self._check_private_inputs(reward_funcs, train_dataset, reward_model_is_public, public_columns)
-        super().__init__(model, reward_funcs, args, train_dataset, *rest, **kwargs)
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, *rest,
+                 reward_model_is_public: bool = False, public_columns=("prompt",), **kwargs):
+        self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns)
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, *rest, **kwargs)
 
 
 class UserDPGRPOTrainer(UserDPOnlineMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` whose reward model(s) must be user-level private (or declared public); extra
     keywords ``reward_model_is_public`` and ``public_columns`` (dataset columns allowed besides prompts)."""
 
-    def __init__(self, model, reward_funcs, args=None, train_dataset=None, *rest, reward_model_is_public: bool = False,
-                 public_columns=("prompt",), **kwargs):
-        self._check_private_inputs(reward_funcs, train_dataset, reward_model_is_public, public_columns)
-        super().__init__(model, reward_funcs, args, train_dataset, *rest, **kwargs)
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, *rest,
+                 reward_model_is_public: bool = False, public_columns=("prompt",), **kwargs):
+        self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns)
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, *rest, **kwargs)
