@@ -203,3 +203,68 @@ def test_tau_from_public_users_makes_the_private_run_pass():
     engine, model2, opt, private_loader = _private(tau=tau)
     _train(model2, opt, private_loader)
     assert not opt.halted
+
+
+def _private_radius_loader(n_users=300, upb=60.0, seed=0):
+    dataset, ids = _task(n_users)
+    return trl_userdp.UserDataLoader(dataset, users_per_batch=upb, user_ids=ids, seed=seed, steps=1,
+                                     max_users_per_batch=trl_userdp.adaptive_engine.default_max_users_per_batch(upb))
+
+
+def test_tau_from_a_small_private_budget_is_the_first_radius_whose_score_clears_the_threshold():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1)
+    loss = lambda mdl, b: torch.nn.functional.binary_cross_entropy_with_logits(mdl(b[0]).squeeze(-1), b[1])  # noqa: E731
+    radii = [0.01 * 1.5**k for k in range(20)]
+    loader = _private_radius_loader()
+    # the exact score of the batch the loader will draw, from a per-user autograd loop
+    x, y = next(iter(_private_radius_loader()))[:2]
+    users = _private_radius_loader()
+    next(iter(users))
+    row_users = users.last_row_users
+    grads = []
+    for u in row_users.unique():
+        model.zero_grad()
+        loss(model, (x[row_users == u], y[row_users == u])).backward()
+        grads.append(torch.cat([model.weight.grad.flatten(), model.bias.grad.flatten()]))
+    dist = torch.cdist(torch.stack(grads), torch.stack(grads))
+    exact = next(r for r in radii if float((dist <= r).sum()) / 60.0 >= 0.9 * 60.0)
+    # noiseless limit (ε huge): the walk returns exactly that radius
+    tau = trl_userdp.propose_concentration_radius_private(model, loss, loader, epsilon=1e9, radii=radii,
+                                                          generator=torch.Generator().manual_seed(0))
+    assert tau == exact and not hasattr(model.weight, "grad_sample")
+    # a small budget on many users (the noise is O(ñ_max/(ñ ε)) against a score of order ñ): a radius near
+    # the noiseless one, and the AUP run on the same users pays for it
+    big = dict(n_users=2000, upb=1000.0)
+    noiseless = trl_userdp.propose_concentration_radius_private(
+        model, loss, _private_radius_loader(**big), epsilon=1e9, radii=radii, generator=torch.Generator().manual_seed(0))
+    tau = trl_userdp.propose_concentration_radius_private(model, loss, _private_radius_loader(**big), epsilon=0.5,
+                                                          radii=radii, generator=torch.Generator().manual_seed(1))
+    assert noiseless / 1.5 <= tau <= noiseless * 1.5
+    engine, model2, opt, private_loader = _private(tau=tau, radius_epsilon=0.5, steps=10, **big)
+    _train(model2, opt, private_loader)
+    assert not opt.halted
+    report = engine.privacy_report(1e-5)
+    assert report.extra["radius_epsilon"] == 0.5 and report.extra["svt_epsilon"] == pytest.approx(1.75)
+    gaussian = pld.PLDAccountant(value_discretization_interval=1e-3).compose(dpa.SelfComposedDpEvent(
+        dpa.TruncatedSubsampledGaussianDpEvent(2000, private_loader.sample_rate, opt.max_users_per_batch,
+                                               opt.noise_multiplier), engine.accountant.steps_taken))
+    assert engine.get_epsilon(1e-5) == pytest.approx(0.5 + 1.75 + gaussian.get_epsilon(1e-5), rel=1e-9)
+    planned = pld.PLDAccountant(value_discretization_interval=1e-3).compose(dpa.SelfComposedDpEvent(
+        dpa.TruncatedSubsampledGaussianDpEvent(2000, private_loader.sample_rate, opt.max_users_per_batch,
+                                               opt.noise_multiplier), 10))
+    assert 1.72 <= planned.get_epsilon(0.5e-5) <= 1.75  # the Gaussian half of what is left: (4 − 0.5)/2
+
+
+def test_the_private_radius_walk_refuses_unbounded_sensitivity_and_says_when_nothing_passed():
+    model = torch.nn.Linear(5, 1)
+    loss = lambda mdl, b: torch.nn.functional.binary_cross_entropy_with_logits(mdl(b[0]).squeeze(-1), b[1])  # noqa: E731
+    dataset, ids = _task()
+    untruncated = trl_userdp.UserDataLoader(dataset, users_per_batch=60, user_ids=ids, seed=0, steps=1)
+    with pytest.raises(ValueError, match="max_users_per_batch"):
+        trl_userdp.propose_concentration_radius_private(model, loss, untruncated, epsilon=1.0, radii=[1.0])
+    with pytest.raises(ValueError, match="No radius up to 1e-09 passed"):
+        trl_userdp.propose_concentration_radius_private(model, loss, _private_radius_loader(), epsilon=1e9,
+                                                        radii=[1e-9], generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="radius_epsilon"):
+        _private(radius_epsilon=4.0)

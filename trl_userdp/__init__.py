@@ -1,7 +1,7 @@
 """trl_userdp: user-level differential privacy for RLHF on Opacus and TRL."""
 
 from .accountants import PrivacyReport
-from .adaptive_engine import AdaptiveUserPrivacyEngine, propose_concentration_radius
+from .adaptive_engine import AdaptiveUserPrivacyEngine, propose_concentration_radius, propose_concentration_radius_private
 from .data import UserDataLoader, bound_contributions
 from .grad_sample import UserGradSampleHooks
 from .optimizers import AUPOptimizer, PrivacyBudgetExhausted, UserDPOptimizer
@@ -40,4 +40,5 @@ __all__ = [
     *_TRAINERS,
     "bound_contributions",
     "propose_concentration_radius",
+    "propose_concentration_radius_private",
 ]

@@ -12,6 +12,7 @@ Alg. 1's ``k`` phases run Alg. 2 on disjoint user sets one after another (parall
 from __future__ import annotations
 
 import math
+import secrets
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -23,7 +24,7 @@ from .accountants import DPAccountingAccountant, PrivacyReport
 from .data import DEFAULT_USER_COLUMN, PhasedUserDataLoader, UserDataLoader, bound_contributions, resolve_user_ids
 from .data.phases import assign_phases, phase_datasets, phase_shares
 from .grad_sample import UserGradSampleHooks
-from .optimizers.aup_optimizer import AUPOptimizer, pairwise_distances
+from .optimizers.aup_optimizer import AboveThreshold, AUPOptimizer, pairwise_distances
 from .privacy_engine import PrivacyEngine
 from .validators import check_positive, check_steps
 
@@ -44,6 +45,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
     def __init__(self, *, secure_mode: bool = False, neighboring_relation: str = "add_or_remove"):
         super().__init__(accountant="pld", secure_mode=secure_mode, neighboring_relation=neighboring_relation)
         self.svt_epsilon: Optional[float] = None
+        self.radius_epsilon = 0.0
         self.phase_users: Optional[str] = None
         #: per phase: accountant, σ and planned steps (one entry when phases=1)
         self.phase_accountants: List[DPAccountingAccountant] = []
@@ -66,6 +68,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         steps: Optional[int] = None,
         max_users_per_batch: Optional[int] = None,
         svt_fraction: float = 0.5,
+        radius_epsilon: float = 0.0,
         phases: int = 1,
         phase_users: str = "all",
         average_iterates: bool = False,
@@ -81,7 +84,9 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
     ) -> Tuple[nn.Module, AUPOptimizer, Union[UserDataLoader, PhasedUserDataLoader]]:
         """Like :meth:`PrivacyEngine.make_private_user_level`, plus ``concentration_radius`` (τ),
         ``max_users_per_batch`` (ñ_max; default :func:`default_max_users_per_batch`),
-        ``svt_fraction`` (share of ε for AboveThreshold), ``phases`` (Alg. 1's k), ``phase_users``
+        ``svt_fraction`` (share of ε for AboveThreshold), ``radius_epsilon`` (the part of ``target_epsilon``
+        already spent choosing τ on these users with :func:`propose_concentration_radius_private`; the run
+        gets the rest, and ε adds up by basic composition), ``phases`` (Alg. 1's k), ``phase_users``
         (``"all"``: the phases' geometric split rescaled to use every user; ``"paper"``: Alg. 1 as
         written, which leaves a share 2^−k unused — half the users at k = 1; see
         :mod:`trl_userdp.data.phases`) and ``average_iterates``. The budget is required (the noise
@@ -96,6 +101,8 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         self._check_target(target_epsilon, target_delta, epochs, steps)
         if not 0 < svt_fraction < 1:
             raise ValueError(f"svt_fraction must lie in (0, 1), got {svt_fraction}.")
+        if not 0 <= radius_epsilon < target_epsilon:
+            raise ValueError(f"radius_epsilon must lie in [0, target_epsilon={target_epsilon}), got {radius_epsilon}.")
         shares = phase_shares(phases, phase_users)
         if phases > 1 and user_key is not None:
             raise ValueError("phases > 1 needs a loop that steps each batch before fetching the next; "
@@ -115,8 +122,10 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
                 f"{users_per_batch} users; use fewer phases, phase_users='all' or a smaller users_per_batch."
             )
         used = int(sizes.sum())
-        self.svt_epsilon = svt_fraction * target_epsilon
-        gaussian_budget = (target_epsilon - self.svt_epsilon, target_delta / 2)
+        self.radius_epsilon = float(radius_epsilon)
+        run_epsilon = target_epsilon - self.radius_epsilon
+        self.svt_epsilon = svt_fraction * run_epsilon
+        gaussian_budget = (run_epsilon - self.svt_epsilon, target_delta / 2)
         loaders = []
         for i, dataset in enumerate(phase_datasets(bounded, index, phase_of_user, phases)):
             q = users_per_batch / int(sizes[i])
@@ -141,7 +150,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             concentration_radius=concentration_radius,
             expected_batch_size=loaders[0].users_per_batch,
             max_users_per_batch=n_max,
-            epsilon=target_epsilon,
+            epsilon=run_epsilon,
             delta=target_delta,
             steps=self.phase_steps[0],
             svt_epsilon=self.svt_epsilon,
@@ -175,14 +184,16 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         self.optimizer.start_phase(self.phase_noise_multipliers[phase], self.phase_steps[phase])
 
     def _phase_epsilons(self, delta: float) -> List[float]:
-        """Each started phase's ε: its Gaussian steps plus ε_svt once its AboveThreshold was queried."""
+        """Each started phase's ε: its Gaussian steps plus ε_svt once its AboveThreshold was queried, plus
+        the ε spent choosing τ (on all users, so it adds to every phase)."""
         queries = self.optimizer.svt_queries_by_phase if self.optimizer is not None else [0]
-        return [acc.get_epsilon(delta) + (self.svt_epsilon if queried else 0.0)
+        return [self.radius_epsilon + acc.get_epsilon(delta) + (self.svt_epsilon if queried else 0.0)
                 for acc, queried in zip(self.phase_accountants, queries)]
 
     def get_epsilon(self, delta: float) -> float:
         """The largest phase's ε (disjoint users: parallel composition); within a phase, the Gaussian
-        steps' ε at ``delta`` plus AboveThreshold's pure ε_svt (basic composition, Thm 3)."""
+        steps' ε at ``delta`` plus AboveThreshold's pure ε_svt (basic composition, Thm 3), plus
+        ``radius_epsilon``."""
         return max(self._phase_epsilons(delta), default=0.0)
 
     def privacy_report(self, delta: float) -> PrivacyReport:
@@ -195,6 +206,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         report.extra.update(
             {
                 "svt_epsilon": self.svt_epsilon if any(opt.svt_queries_by_phase) else 0.0,
+                "radius_epsilon": self.radius_epsilon,
                 "gaussian_epsilon": max(acc.get_epsilon(delta) for acc in self.phase_accountants),
                 "svt_queries": sum(opt.svt_queries_by_phase),
                 "halted": opt.halted,
@@ -233,28 +245,79 @@ def propose_concentration_radius(
     """
     if not 0 < coverage < 1:
         raise ValueError(f"coverage must lie in (0, 1), got {coverage}.")
-    hooks = UserGradSampleHooks(model)
     distances = []
-    try:
-        for i, batch in enumerate(public_loader):
-            if i >= max_batches:
-                break
-            hooks.reset_step()
-            hooks.set_row_users(public_loader.last_row_users)
-            model.zero_grad()
-            loss_fn(model, batch).backward()
-            counts = hooks.unit_counts
-            if len(counts) < 2:
-                continue
-            grads = [p.grad_sample / counts.view(-1, *([1] * p.dim())) for p in hooks.param_names if p.grad_sample is not None]
-            d = pairwise_distances(grads)
-            distances.append(d[~torch.eye(len(d), dtype=torch.bool)])
-    finally:
-        hooks.cleanup()
-        model.zero_grad()
+    for i, batch in enumerate(public_loader):
+        if i >= max_batches:
+            break
+        grads = _user_gradients(model, loss_fn, batch, public_loader.last_row_users)
+        if not grads or len(grads[0]) < 2:
+            continue
+        d = pairwise_distances(grads)
+        distances.append(d[~torch.eye(len(d), dtype=torch.bool)])
     if not distances:
         raise ValueError("The public loader gave no batch with two or more users.")
     return float(torch.quantile(torch.cat(distances), coverage))
+
+
+def propose_concentration_radius_private(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    private_loader: UserDataLoader,
+    *,
+    epsilon: float,
+    radii: Sequence[float],
+    threshold_fraction: float = 0.9,
+    generator: Optional[torch.Generator] = None,
+) -> float:
+    """Propose τ from *private* users for a pure ``epsilon`` (pass it on as ``radius_epsilon``).
+
+    One batch of ``private_loader`` (a truncated user-level Poisson loader over the users AUP-RLHF
+    will train on: ``max_users_per_batch`` set) gives per-user averaged gradients at the current
+    parameters; AboveThreshold (AUP-RLHF Alg. 3) then walks the increasing ``radii`` and returns the
+    first whose concentration score ``(1/ñ)·#{(i, i'): ‖g_i − g_i'‖ ≤ τ}`` clears
+    ``threshold_fraction·ñ`` (above AUP's own test at 4ñ/5, so its first queries are likely to pass).
+    Adding, removing or replacing a user changes the count by at most ``2ñ_max − 1`` (SPEC §2 M4), so
+    each query has sensitivity ``(2ñ_max − 1)/ñ``; the whole walk is ``epsilon``-DP (pure), whatever
+    the number of radii, and is spent even when no radius passes (then it raises).
+    """
+    if not (private_loader.user_sampler.max_users_per_batch or 0) > 0:
+        raise ValueError("The private loader must truncate its steps (max_users_per_batch): the score's "
+                         "sensitivity (2ñ_max − 1)/ñ is unbounded otherwise.")
+    if not 0 < threshold_fraction:
+        raise ValueError(f"threshold_fraction must be > 0, got {threshold_fraction}.")
+    check_positive(epsilon, "epsilon")
+    radii = sorted(float(r) for r in radii)
+    if not radii or radii[0] <= 0:
+        raise ValueError("radii must be a non-empty list of positive candidate radii.")
+    n_tilde, n_max = private_loader.users_per_batch, private_loader.user_sampler.max_users_per_batch
+    if generator is None:
+        generator = torch.Generator()
+        generator.manual_seed(secrets.randbits(63))  # the Laplace noise must not be predictable
+    svt = AboveThreshold(threshold_fraction * n_tilde, epsilon, (2 * n_max - 1) / n_tilde, generator)
+    batch = next(iter(private_loader))
+    grads = _user_gradients(model, loss_fn, batch, private_loader.last_row_users)
+    dist = pairwise_distances(grads) if grads else torch.zeros(0, 0)
+    for tau in radii:
+        if svt.query(float((dist <= tau).sum()) / n_tilde):
+            return tau
+    raise ValueError(f"No radius up to {radii[-1]} passed (ε = {epsilon} is spent): offer larger radii.")
+
+
+def _user_gradients(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any,
+                    row_users: torch.Tensor) -> List[torch.Tensor]:
+    """Each parameter's per-user averaged gradients ``[U, *p.shape]`` for one batch ([] with no rows)."""
+    if len(row_users) == 0:
+        return []
+    hooks = UserGradSampleHooks(model)
+    try:
+        hooks.set_row_users(row_users)
+        model.zero_grad()
+        loss_fn(model, batch).backward()
+        counts = hooks.unit_counts
+        return [p.grad_sample / counts.view(-1, *([1] * p.dim())) for p in hooks.param_names if p.grad_sample is not None]
+    finally:
+        hooks.cleanup()
+        model.zero_grad()
 
 
 def _phase_seed(seed: int, phase: int, phases: int) -> int:

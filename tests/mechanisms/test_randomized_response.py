@@ -80,6 +80,7 @@ def test_k_wise_randomized_response_keeps_and_moves_uniformly():
     [
         (lambda: Dataset.from_dict({"chosen": ["a"], "user_id": [1]}), {}, "rejected"),
         (lambda: Dataset.from_dict({"label": [0.0, float("nan")], "user_id": [1, 2]}), {"label_column": "label"}, "NaN"),
+        (lambda: Dataset.from_dict({"label": [0.0, 1.5], "user_id": [1, 2]}), {"label_column": "label"}, "non-integer"),
         (lambda: Dataset.from_dict({"label": [0, 5], "user_id": [1, 2]}), {"label_column": "label"}, r"\[0, 2\)"),
         (lambda: Dataset.from_dict({"label": [0, 1]}), {"label_column": "label"}, "user column"),
         (lambda: Dataset.from_dict({"label": [0, 1], "user_id": [1, 2]}), {"label_column": "y"}, "no label column"),

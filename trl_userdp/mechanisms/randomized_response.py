@@ -113,6 +113,8 @@ class UserRandomizedResponse:
             labels = np.asarray(bounded[label_column])
             if np.issubdtype(labels.dtype, np.floating) and np.isnan(labels).any():
                 raise ValueError(f"Column {label_column!r} has missing (NaN) labels.")
+            if np.issubdtype(labels.dtype, np.floating) and (labels != np.round(labels)).any():
+                raise ValueError(f"Column {label_column!r} has non-integer labels; K-ary RR needs class indices.")
             new = self.privatize_labels(labels.astype(np.int64) if np.issubdtype(labels.dtype, np.floating) else labels, rng)
             bounded = bounded.remove_columns(label_column).add_column(label_column, new.tolist())
         else:
