@@ -18,8 +18,8 @@ user-wise DP-SGD ``σ·C/ñ`` against AUP-RLHF ``τ·σ'·√(8 log(e^ε T/δ))/
 average of m gradients of norm ≤ C); plus the chance that Poisson fluctuation of |U_t| alone leaves
 AUP's concentration score above 4ñ/5 for all T steps.
 
-    python benchmarks/user_level_theory.py            # 20 seeds, about 15 min on 2 CPU cores
-    python benchmarks/user_level_theory.py --quick    # m sweep only, 5 seeds, under 2 min
+    python benchmarks/user_level_theory.py            # 20 seeds, about 11 min on 2 CPU cores
+    python benchmarks/user_level_theory.py --quick    # m sweep only, 5 seeds, about 2 min
 """
 
 from __future__ import annotations

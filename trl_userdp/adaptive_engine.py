@@ -20,6 +20,7 @@ import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
+from . import distributed
 from .accountants import DPAccountingAccountant, PrivacyReport
 from .data import DEFAULT_USER_COLUMN, PhasedUserDataLoader, UserDataLoader, bound_contributions, resolve_user_ids
 from .data.phases import assign_phases, phase_datasets, phase_shares
@@ -108,6 +109,9 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             raise ValueError("phases > 1 needs a loop that steps each batch before fetching the next; "
                              "it cannot be used with user_key (transformers' Trainer prefetches batches).")
         m = self._check_model(module, optimizer, grad_sample_mode, max_samples_per_user)
+        if distributed.world_size() > 1:
+            raise ValueError("AUP-RLHF compares every sampled user's gradient with every other's (the concentration "
+                             "score): it runs in one process; use PrivacyEngine for data-parallel user-wise DP-SGD.")
         n_max = default_max_users_per_batch(users_per_batch) if max_users_per_batch is None else int(max_users_per_batch)
 
         bounded, self.bounding = bound_contributions(

@@ -30,7 +30,8 @@ from .accountants.accountant import ACCOUNTANTS_BY_NAME
 from .data import DEFAULT_USER_COLUMN, UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
 from .grad_sample import UserGradSampleHooks, check_module, supply_position_ids
-from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer
+from . import distributed
+from .optimizers import DistributedUserDPOptimizer, PrivacyBudgetExhausted, UserDPOptimizer
 from .validators import (
     check_delta,
     check_epsilon,
@@ -112,7 +113,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         Every batch the loader yields must be used by one ``optimizer.step()``. With ``user_key`` the
         loader puts each batch's row -> user map into the (dict) batch under that key, and the training
         loop hands it to ``optimizer.hooks.set_row_users`` itself (for loops that prefetch batches).
-        The loss must be the mean over the batch's rows; each user counts as the average of its rows. Returns the model itself (hooks attached),
+        The loss must be the mean over the batch's rows; each user counts as the average of its rows.
+        Under ``torch.distributed`` (one process per device, the plain module on each) every rank draws the
+        same users and keeps its shard (``user % world_size == rank``), parameters start from rank 0's,
+        and a :class:`~trl_userdp.optimizers.DistributedUserDPOptimizer` all-reduces the clipped sums with
+        one noise draw (rank 0's). Returns the model itself (hooks attached),
         the :class:`~trl_userdp.optimizers.UserDPOptimizer` and the loader. One epoch is
         ``round(1/q)`` steps.
         """
@@ -133,6 +138,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if mechanism == "group" and group_accounting == "els" and self.accountant.kind != "pld":
             raise ValueError("ELS accounting needs the PLD accountant: PrivacyEngine(accountant='pld').")
         m = self._check_model(module, optimizer, grad_sample_mode, max_samples_per_user)
+        bounding_seed, sampling_seed = self._join_processes(module, bounding_seed, sampling_seed)
 
         loader, expected_units = self._make_loader(
             data_loader, mechanism, m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
@@ -148,7 +154,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if self._calibrated:
             noise_multiplier = self._calibrate(target_epsilon, target_delta, loader.sample_rate, total_steps)
         hooks = self._attach_hooks(module, grad_sample_mode)
-        dp_optimizer = UserDPOptimizer(
+        optimizer_class = DistributedUserDPOptimizer if distributed.world_size() > 1 else UserDPOptimizer
+        dp_optimizer = optimizer_class(
             optimizer,
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
@@ -179,6 +186,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if self.hooks is not None:
             raise ValueError("This engine already made a model private; create a new PrivacyEngine.")
         m = check_max_samples_per_user(max_samples_per_user)
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                "Pass the plain module, not a DistributedDataParallel wrapper: DDP would average the raw gradients "
+                "across processes; the engine shards users by rank and all-reduces the clipped, noised sums itself."
+            )
         model_params = set(module.parameters())
         if any(p not in model_params for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)):
             raise ValueError("Module parameters are different than optimizer parameters.")
@@ -194,6 +206,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             data_loader.dataset, m, user_column=user_column, user_ids=user_ids, seed=bounding_seed
         )
         kwargs = dict(
+            num_replicas=distributed.world_size(),
+            rank=distributed.rank(),
             collate_fn=data_loader.collate_fn,
             num_workers=data_loader.num_workers,
             pin_memory=data_loader.pin_memory,
@@ -214,6 +228,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
             bounded, users_per_batch=q * len(bounded), user_ids=range(len(bounded)), steps=steps_per_epoch(q), **kwargs
         )
         return loader, q * len(bounded)
+
+    @staticmethod
+    def _join_processes(module: nn.Module, bounding_seed, sampling_seed):
+        """With several processes: the same bounding and sampling seeds and starting parameters on every
+        rank (a seed left to the OS is drawn on rank 0 and shared)."""
+        if distributed.world_size() > 1:
+            bounding_seed, sampling_seed = distributed.shared_seed(bounding_seed), distributed.shared_seed(sampling_seed)
+            distributed.broadcast_parameters(module)
+        return bounding_seed, sampling_seed
 
     def _install_accountant(self, sample_rate: float, **config) -> None:
         previous = self.accountant
@@ -322,7 +345,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
             privacy_unit="user",
             max_grad_norm=opt.max_grad_norm,
             rows_dropped=self.bounding.rows_dropped,
-            extra={"expected_units_per_step": opt.expected_batch_size, "clipping_unit": "record" if self.mechanism == "group" else "user"},
+            extra={"expected_units_per_step": getattr(opt, "global_expected_batch_size", opt.expected_batch_size),
+                   "clipping_unit": "record" if self.mechanism == "group" else "user",
+                   "world_size": distributed.world_size()},
         )
 
     def detach(self) -> None:

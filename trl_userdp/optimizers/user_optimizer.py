@@ -11,7 +11,7 @@ import secrets
 from typing import Callable, List, Optional
 
 import torch
-from opacus.optimizers import DPOptimizer
+from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from torch.optim import Optimizer
 
 from ..grad_sample import UserGradSampleHooks
@@ -160,3 +160,19 @@ class UserDPOptimizer(DPOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.hooks.reset_step(clear_pending=False)
+
+
+class DistributedUserDPOptimizer(UserDPOptimizer, DistributedDPOptimizer):
+    """User-wise DP-SGD across data-parallel processes: Opacus's ``DistributedDPOptimizer`` on per-user
+    gradients.
+
+    Users are sharded by rank (every user's rows on one process, so its averaged gradient and its clip
+    are exact there); each rank clips its own users, rank 0 alone adds ``N(0, σ²C²)``, and the sums are
+    all-reduced, so every rank applies ``(Σ_all clipped + noise) / ñ``. ``expected_batch_size`` is the
+    *global* ñ; each rank scales by ñ/W before Opacus's all-reduce divides by the world size W.
+    """
+
+    def __init__(self, optimizer: Optimizer, *, expected_batch_size: float, **kwargs):
+        world_size = torch.distributed.get_world_size()
+        super().__init__(optimizer, expected_batch_size=expected_batch_size / world_size, **kwargs)
+        self.global_expected_batch_size = float(expected_batch_size)

@@ -52,7 +52,7 @@ MECHANISMS = ("none", "randomized_response", "group", "user_dpsgd", "aup")
 
 @dataclasses.dataclass
 class PipelineArguments:
-    """Settings of ``trl-userdp pipeline``. The defaults run in about ten minutes on 2 CPU cores; the
+    """Settings of ``trl-userdp pipeline``. The defaults run in about five minutes on 2 CPU cores; the
     paper's setting is n = 2500 users, m = 10, ε ∈ {3, 8}, δ = 1e-5 with Gemma-2-2B / Llama-2-7B
     policies (``--policy_model``) on a GPU."""
 
@@ -167,7 +167,9 @@ def imdb_preference_dataset(n_users: int = 200, pairs_per_user: int = 10, *, pro
     """The embedded IMDb pairs as a TRL preference dataset (``chosen``, ``rejected``, a user column;
     with ``prompt``, a ``prompt`` column and continuations for DPO): the users and labels of
     :func:`build_sentiment_data`."""
-    built = build_sentiment_data(PipelineArguments(n_users=n_users, max_samples_per_user=pairs_per_user, seed=seed))
+    args = PipelineArguments(n_users=n_users, max_samples_per_user=pairs_per_user, seed=seed,
+                             users_per_batch=min(40.0, n_users))  # ñ is not used here, but must be ≤ n
+    built = build_sentiment_data(args)
     chosen = [built.pool[i] for i in built.pairs[:, 0]]
     rejected = [built.pool[i] for i in built.pairs[:, 1]]
     rows = {"chosen": chosen, "rejected": rejected, user_column: built.users.tolist()}

@@ -101,8 +101,9 @@ class UserDPTrainerMixin:
             resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
             if self.accelerator.num_processes > 1:
                 raise ValueError(
-                    "User-level DP training across several processes is not supported yet: the per-user sums are not "
-                    "all-reduced before clipping. Train on one process."
+                    "The user-level DP trainers run in one process for now (transformers' Trainer wraps the model in "
+                    "DistributedDataParallel, which averages raw gradients). For data-parallel user-wise DP-SGD use "
+                    "trl_userdp.PrivacyEngine.make_private_user_level in your own loop; it shards users by rank."
                 )
             self.add_callback(PrivacyBudgetCallback(self))
 

@@ -1,0 +1,118 @@
+"""User-wise DP-SGD across two data-parallel processes (gloo on CPU): the same update as one process,
+one noise draw (not one per rank), identical replicas and accounting (SPEC §2 M1)."""
+
+import os
+import tempfile
+from pathlib import Path
+
+import dp_accounting as dpa
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from dp_accounting import rdp
+from scipy import stats
+from torch.utils.data import DataLoader, TensorDataset
+
+import trl_userdp
+from trl_userdp.accountants.analysis import RDP_ORDERS
+
+N_USERS, UPB = 30, 6.0
+STEPS = 5  # one pass over the loader: round(1/q) = round(30/6) steps
+
+
+def _task(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(200, 5, generator=g)
+    y = (x[:, 0] > 0).float()
+    return TensorDataset(x, y), [i % N_USERS for i in range(200)]
+
+
+def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1)):
+    """STEPS private steps; returns the engine, the model and the update of every step."""
+    torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)  # different inits: the engine syncs them
+    model = torch.nn.Linear(*dim)
+    dataset, ids = _task()
+    if dim[0] != 5:
+        dataset = TensorDataset(torch.randn(200, dim[0], generator=torch.Generator().manual_seed(1)), dataset.tensors[1])
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
+        noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, max_samples_per_user=5, users_per_batch=UPB,
+        user_ids=ids, sampling_seed=3, noise_generator=torch.Generator().manual_seed(11),
+    )
+    updates = []
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x)[:, 0], y)
+        (0.0 * loss if zero_loss else loss).backward()
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        optimizer.step()
+        updates.append(before - torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert len(updates) == STEPS
+    return engine, model, torch.stack(updates)
+
+
+def _worker(rank, world, tmp, case):
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    try:
+        if case == "exact":
+            engine, model, updates = _train(0.0, 1e6)
+        else:
+            engine, model, updates = _train(2.0, 0.5, zero_loss=True, dim=(40, 50))
+        report = engine.privacy_report(1e-5)
+        torch.save({"updates": updates, "params": [p.detach() for p in model.parameters()],
+                    "epsilon": engine.get_epsilon(1e-5), "report": report.to_dict(),
+                    "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path, case):
+    mp.spawn(_worker, args=(2, str(tmp_path), case), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"{case}{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_two_processes_take_the_same_steps_as_one():
+    """σ = 0, no clipping reached: each rank holds its users' shard, and the all-reduced update equals the
+    single-process update on the same user draws (users sharded by id, so each user's average is exact)."""
+    _, _, single = _train(0.0, 1e6)
+    with tempfile.TemporaryDirectory() as d:
+        ranks = _spawn(Path(d), "exact")
+    for r in ranks:
+        torch.testing.assert_close(r["updates"], single, rtol=1e-5, atol=1e-7)
+    assert torch.equal(torch.cat([p.flatten() for p in ranks[0]["params"]]),
+                       torch.cat([p.flatten() for p in ranks[1]["params"]]))  # replicas stay identical
+    assert single.abs().sum() > 0 and (single.abs().sum(1) > 0).sum() >= 3  # real, non-empty steps
+
+
+def test_two_processes_add_one_noise_draw_and_account_like_one():
+    with tempfile.TemporaryDirectory() as d:
+        ranks = _spawn(Path(d), "noise")
+    torch.testing.assert_close(ranks[0]["updates"], ranks[1]["updates"], rtol=0, atol=0)  # same noise on both
+    noise = ranks[0]["updates"].double().flatten()
+    sigma, C = 2.0, 0.5
+    expected_var = (sigma * C / UPB) ** 2  # one N(0, σ²C²) draw per step, divided by the global ñ
+    n = noise.numel()
+    lo, hi = stats.chi2.interval(0.999, n - 1)
+    stat = (n - 1) * float(noise.var()) / expected_var
+    assert lo <= stat <= hi, (float(noise.var()), expected_var)  # a draw per rank would double the variance
+    q = UPB / N_USERS
+    independent = rdp.RdpAccountant(orders=RDP_ORDERS).compose(
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), STEPS))
+    for r in ranks:
+        assert r["steps"] == STEPS and r["epsilon"] == pytest.approx(independent.get_epsilon(1e-5), rel=1e-9)
+        assert r["report"]["extra"]["world_size"] == 2 and r["report"]["extra"]["expected_units_per_step"] == UPB
+
+
+def test_a_ddp_wrapper_is_refused_with_the_fix(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(5, 1))
+        dataset, ids = _task()
+        with pytest.raises(ValueError, match="not a DistributedDataParallel wrapper"):
+            trl_userdp.PrivacyEngine().make_private_user_level(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
+                noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=UPB, user_ids=ids)
+    finally:
+        dist.destroy_process_group()
