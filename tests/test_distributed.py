@@ -1,6 +1,7 @@
 """User-wise DP-SGD across two data-parallel processes (gloo on CPU): the same update as one process,
 one noise draw (not one per rank), identical replicas and accounting (SPEC §2 M1)."""
 
+import datetime
 import os
 import tempfile
 from pathlib import Path
@@ -28,8 +29,9 @@ def _task(seed=0):
     return TensorDataset(x, y), [i % N_USERS for i in range(200)]
 
 
-def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1)):
-    """STEPS private steps; returns the engine, the model and the update of every step."""
+def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB, stray_forward=False):
+    """One pass of private steps; returns the engine, the model, the update of every step and the rows
+    this process saw at each step."""
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)  # different inits: the engine syncs them
     model = torch.nn.Linear(*dim)
     dataset, ids = _task()
@@ -38,30 +40,44 @@ def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1)):
     engine = trl_userdp.PrivacyEngine(accountant="rdp")
     model, optimizer, loader = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
-        noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, max_samples_per_user=5, users_per_batch=UPB,
+        noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, max_samples_per_user=5, users_per_batch=upb,
         user_ids=ids, sampling_seed=3, noise_generator=torch.Generator().manual_seed(11),
     )
-    updates = []
+    updates, rows = [], []
     for x, y in loader:
         optimizer.zero_grad()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x)[:, 0], y)
         (0.0 * loss if zero_loss else loss).backward()
+        if stray_forward:
+            model(x)  # a training-mode forward without backward: the per-sample gradients are incomplete
+        rows.append(len(x))
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         optimizer.step()
         updates.append(before - torch.cat([p.detach().flatten() for p in model.parameters()]))
-    assert len(updates) == STEPS
-    return engine, model, torch.stack(updates)
+    assert len(updates) == round(N_USERS / upb)
+    return engine, model, torch.stack(updates), rows
 
 
 def _worker(rank, world, tmp, case):
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    # a hang (one rank waiting in all_reduce for another that raised) fails after a minute, not CI's 90
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     try:
-        if case == "exact":
-            engine, model, updates = _train(0.0, 1e6)
-        else:
-            engine, model, updates = _train(2.0, 0.5, zero_loss=True, dim=(40, 50))
+        if case == "stray":  # only rank 1 breaks the rules: both ranks must stop with an error
+            try:
+                _train(0.0, 1.0, stray_forward=rank == 1)
+                out = {"error": None}
+            except ValueError as err:
+                out = {"error": str(err)}
+            torch.save(out, os.path.join(tmp, f"{case}{rank}.pt"))
+            return
+        engine, model, updates, rows = {
+            "exact": lambda: _train(0.0, 1e6),
+            "clip": lambda: _train(0.0, 0.01, upb=2.0),
+            "noise": lambda: _train(2.0, 0.5, zero_loss=True, dim=(40, 50)),
+        }[case]()
         report = engine.privacy_report(1e-5)
-        torch.save({"updates": updates, "params": [p.detach() for p in model.parameters()],
+        torch.save({"updates": updates, "params": [p.detach() for p in model.parameters()], "rows": rows,
                     "epsilon": engine.get_epsilon(1e-5), "report": report.to_dict(),
                     "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
     finally:
@@ -73,17 +89,29 @@ def _spawn(tmp_path, case):
     return [torch.load(tmp_path / f"{case}{r}.pt", weights_only=False) for r in range(2)]
 
 
-def test_two_processes_take_the_same_steps_as_one():
-    """σ = 0, no clipping reached: each rank holds its users' shard, and the all-reduced update equals the
-    single-process update on the same user draws (users sharded by id, so each user's average is exact)."""
-    _, _, single = _train(0.0, 1e6)
+@pytest.mark.parametrize("case,clip,upb", [("exact", 1e6, UPB), ("clip", 0.01, 2.0)])
+def test_two_processes_take_the_same_steps_as_one(case, clip, upb):
+    """σ = 0: each rank holds its users' shard (users sharded by id, so each user's average and clip are
+    exact), and the all-reduced update equals the single-process update on the same user draws — with no
+    clip reached, and with every user clipped (C = 0.01) and ñ = 2, where one rank's shard is often empty."""
+    _, _, single, _ = _train(0.0, clip, upb=upb)
     with tempfile.TemporaryDirectory() as d:
-        ranks = _spawn(Path(d), "exact")
+        ranks = _spawn(Path(d), case)
     for r in ranks:
-        torch.testing.assert_close(r["updates"], single, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(r["updates"], single, rtol=1e-5, atol=1e-9)
     assert torch.equal(torch.cat([p.flatten() for p in ranks[0]["params"]]),
                        torch.cat([p.flatten() for p in ranks[1]["params"]]))  # replicas stay identical
-    assert single.abs().sum() > 0 and (single.abs().sum(1) > 0).sum() >= 3  # real, non-empty steps
+    assert (single.abs().sum(1) > 0).sum() >= 3  # real, non-empty steps
+    if case == "clip":
+        one_sided = [a == 0 < b or b == 0 < a for a, b in zip(ranks[0]["rows"], ranks[1]["rows"])]
+        assert any(one_sided)  # a step where one rank had users and the other none
+
+
+def test_a_check_failing_on_one_rank_stops_every_rank_instead_of_hanging():
+    with tempfile.TemporaryDirectory() as d:
+        ranks = _spawn(Path(d), "stray")
+    assert "had no backward pass" in ranks[1]["error"]
+    assert "Another process failed" in ranks[0]["error"]
 
 
 def test_two_processes_add_one_noise_draw_and_account_like_one():

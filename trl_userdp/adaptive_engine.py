@@ -219,6 +219,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
                 "noise_std": opt.noise_std,
                 "phase_users": self.phase_users,
                 "composition": "basic: Gaussian (PLD, truncated Poisson) + AboveThreshold (pure ε)"
+                + (" + τ selection (pure ε)" if self.radius_epsilon else "")
                 + ("; parallel over disjoint phases" if len(self.phase_steps) > 1 else ""),
             }
         )

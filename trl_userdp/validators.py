@@ -53,19 +53,20 @@ def check_sample_rate(q: float, name: str = "sample_rate") -> float:
 
 
 def steps_per_epoch(sample_rate: float) -> int:
-    """Steps in one pass over a user-level loader at user sampling rate q: ``round(1/q)``, at least 1."""
-    return max(1, int(round(1 / check_sample_rate(sample_rate))))
+    """Steps in one pass over a user-level loader at user sampling rate q ≤ 1: ``round(1/q)`` ≥ 1."""
+    return int(round(1 / check_sample_rate(sample_rate)))
 
 
 def check_steps(steps: Optional[int], epochs: Optional[float], sample_rate: float) -> int:
     """Exactly one of ``steps`` or ``epochs``. An epoch is one pass over the user-level loader,
-    ``round(1/q)`` steps (as in Opacus, where an epoch is ``len(loader)`` steps), so a plan of E epochs
-    is exactly E passes and the budget guard never cuts the last one short."""
+    ``round(1/q)`` steps (as in Opacus, where an epoch is ``len(loader)`` steps), and E epochs are
+    ``ceil(E · round(1/q))`` steps, the count transformers' Trainer runs: the plan σ is calibrated for
+    is the run, and the budget guard never cuts the last pass short."""
     if (steps is None) == (epochs is None):
         raise ValueError("Give exactly one of `steps` or `epochs`.")
     if steps is None:
         check_positive(epochs, "epochs")
-        steps = max(1, int(round(epochs * steps_per_epoch(sample_rate))))
+        steps = math.ceil(epochs * steps_per_epoch(sample_rate))
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}.")
     return steps

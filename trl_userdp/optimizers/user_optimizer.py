@@ -176,3 +176,18 @@ class DistributedUserDPOptimizer(UserDPOptimizer, DistributedDPOptimizer):
         world_size = torch.distributed.get_world_size()
         super().__init__(optimizer, expected_batch_size=expected_batch_size / world_size, **kwargs)
         self.global_expected_batch_size = float(expected_batch_size)
+
+    def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
+        """The single-process checks (self-check, stray forward) run on each rank's own shard; a failure
+        on one rank is shared before the all-reduce, so every rank stops instead of waiting for it."""
+        try:
+            result, error = super().pre_step(closure), None
+        except ValueError as err:
+            result, error = None, err
+        failed = torch.tensor([float(error is not None)], device=self.params[0].device if self.params else "cpu")
+        torch.distributed.all_reduce(failed)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise ValueError("Another process failed this step's checks (see its error); stopping here too.")
+        return result
