@@ -4,7 +4,7 @@ The data are the embedded IMDb pairs (simulated users, m pairs each); the model 
 MiniLM-L6 with only its last layer trained, as in AUP-RLHF. Every TRL/transformers flag works, plus the
 privacy fields of `UserDPRewardConfig`:
 
-    python examples/reward_modeling.py                                  # ~2 min on CPU
+    python examples/reward_modeling.py                                  # ~3 min on 2 CPU cores
     python examples/reward_modeling.py --privacy_mechanism aup --concentration_radius 0.5 \\
         --users_per_batch 100 --max_users_per_batch 100
     python examples/reward_modeling.py --model_name_or_path cardiffnlp/twitter-roberta-base-sentiment \\

@@ -8,7 +8,7 @@ labellers prefer the extract that covers more of the rest of the post (BTL on th
 personal flip rate) — the same shape of data, not the same task. The reward model is trained with
 `UserDPRewardTrainer` (MiniLM-L6, last layer).
 
-    python examples/tldr_summarization.py                        # local stand-in, ~1 min on CPU
+    python examples/tldr_summarization.py                        # local stand-in, ~6 min on 2 CPU cores
     HF_HUB_OFFLINE=0 python examples/tldr_summarization.py --source hub --n_users 1800 \\
         --model_name_or_path meta-llama/Llama-2-7b-hf --per_device_train_batch_size 36   # the paper's setting (GPU)
 """
