@@ -216,12 +216,10 @@ def test_tau_from_a_small_private_budget_is_the_first_radius_whose_score_clears_
     model = torch.nn.Linear(5, 1)
     loss = lambda mdl, b: torch.nn.functional.binary_cross_entropy_with_logits(mdl(b[0]).squeeze(-1), b[1])  # noqa: E731
     radii = [0.01 * 1.5**k for k in range(20)]
-    loader = _private_radius_loader()
-    # the exact score of the batch the loader will draw, from a per-user autograd loop
-    x, y = next(iter(_private_radius_loader()))[:2]
-    users = _private_radius_loader()
-    next(iter(users))
-    row_users = users.last_row_users
+    # the exact score of the batch the loader will draw (same seed), from a per-user autograd loop
+    twin = _private_radius_loader()
+    x, y = next(iter(twin))
+    row_users = twin.last_row_users
     grads = []
     for u in row_users.unique():
         model.zero_grad()
@@ -230,8 +228,8 @@ def test_tau_from_a_small_private_budget_is_the_first_radius_whose_score_clears_
     dist = torch.cdist(torch.stack(grads), torch.stack(grads))
     exact = next(r for r in radii if float((dist <= r).sum()) / 60.0 >= 0.9 * 60.0)
     # noiseless limit (ε huge): the walk returns exactly that radius
-    tau = trl_userdp.propose_concentration_radius_private(model, loss, loader, epsilon=1e9, radii=radii,
-                                                          generator=torch.Generator().manual_seed(0))
+    tau = trl_userdp.propose_concentration_radius_private(
+        model, loss, _private_radius_loader(), epsilon=1e9, radii=radii, generator=torch.Generator().manual_seed(0))
     assert tau == exact and not hasattr(model.weight, "grad_sample")
     # a small budget on many users (the noise is O(ñ_max/(ñ ε)) against a score of order ñ): a radius near
     # the noiseless one, and the AUP run on the same users pays for it

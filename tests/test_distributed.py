@@ -18,30 +18,26 @@ from torch.utils.data import DataLoader, TensorDataset
 import trl_userdp
 from trl_userdp.accountants.analysis import RDP_ORDERS
 
+from .test_privacy_engine import _linear_task
+
 N_USERS, UPB = 30, 6.0
 STEPS = 5  # one pass over the loader: round(1/q) = round(30/6) steps
 
 
-def _task(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(200, 5, generator=g)
-    y = (x[:, 0] > 0).float()
-    return TensorDataset(x, y), [i % N_USERS for i in range(200)]
-
-
-def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB, stray_forward=False):
+def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB, stray_forward=False,
+           sampling_seed=3):
     """One pass of private steps; returns the engine, the model, the update of every step and the rows
     this process saw at each step."""
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)  # different inits: the engine syncs them
     model = torch.nn.Linear(*dim)
-    dataset, ids = _task()
+    dataset, ids = _linear_task(n_users=N_USERS)
     if dim[0] != 5:
         dataset = TensorDataset(torch.randn(200, dim[0], generator=torch.Generator().manual_seed(1)), dataset.tensors[1])
     engine = trl_userdp.PrivacyEngine(accountant="rdp")
     model, optimizer, loader = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, max_samples_per_user=5, users_per_batch=upb,
-        user_ids=ids, sampling_seed=3, noise_generator=torch.Generator().manual_seed(11),
+        user_ids=ids, sampling_seed=sampling_seed, noise_generator=torch.Generator().manual_seed(11),
     )
     updates, rows = [], []
     for x, y in loader:
@@ -74,10 +70,12 @@ def _worker(rank, world, tmp, case):
         engine, model, updates, rows = {
             "exact": lambda: _train(0.0, 1e6),
             "clip": lambda: _train(0.0, 0.01, upb=2.0),
-            "noise": lambda: _train(2.0, 0.5, zero_loss=True, dim=(40, 50)),
+            # no sampling seed: rank 0 draws one from the OS and shares it
+            "noise": lambda: _train(2.0, 0.5, zero_loss=True, dim=(40, 50), sampling_seed=None),
         }[case]()
         report = engine.privacy_report(1e-5)
         torch.save({"updates": updates, "params": [p.detach() for p in model.parameters()], "rows": rows,
+                    "sampling_seed": engine.data_loader.user_sampler.seed,
                     "epsilon": engine.get_epsilon(1e-5), "report": report.to_dict(),
                     "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
     finally:
@@ -118,6 +116,7 @@ def test_two_processes_add_one_noise_draw_and_account_like_one():
     with tempfile.TemporaryDirectory() as d:
         ranks = _spawn(Path(d), "noise")
     torch.testing.assert_close(ranks[0]["updates"], ranks[1]["updates"], rtol=0, atol=0)  # same noise on both
+    assert ranks[0]["sampling_seed"] == ranks[1]["sampling_seed"] is not None  # same users drawn on both ranks
     noise = ranks[0]["updates"].double().flatten()
     sigma, C = 2.0, 0.5
     expected_var = (sigma * C / UPB) ** 2  # one N(0, σ²C²) draw per step, divided by the global ñ
@@ -137,7 +136,7 @@ def test_a_ddp_wrapper_is_refused_with_the_fix(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(5, 1))
-        dataset, ids = _task()
+        dataset, ids = _linear_task(n_users=N_USERS)
         with pytest.raises(ValueError, match="not a DistributedDataParallel wrapper"):
             trl_userdp.PrivacyEngine().make_private_user_level(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),

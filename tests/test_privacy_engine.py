@@ -27,6 +27,18 @@ def _loss(out, target):
     return torch.nn.functional.binary_cross_entropy_with_logits(out.squeeze(-1), target)
 
 
+def _private_linear(n=200, n_users=30, lr=0.1, accountant="rdp", **kwargs):
+    """(engine, model, optimizer, loader): a private Linear(5, 1) on :func:`_linear_task`."""
+    dataset, user_ids = _linear_task(n=n, n_users=n_users)
+    model = torch.nn.Linear(5, 1)
+    engine = trl_userdp.PrivacyEngine(accountant=accountant)
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data_loader=DataLoader(dataset),
+        max_grad_norm=1.0, user_ids=user_ids, **kwargs,
+    )
+    return engine, model, optimizer, loader
+
+
 def test_the_intended_use_works_as_written():
     dataset, user_ids = _linear_task()
     model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -46,14 +58,8 @@ def test_the_intended_use_works_as_written():
 
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
 def test_get_epsilon_equals_an_independent_dp_accounting_computation(kind):
-    dataset, user_ids = _linear_task()
-    model = torch.nn.Linear(5, 1)
-    engine = trl_userdp.PrivacyEngine(accountant=kind)
-    model, optimizer, loader = engine.make_private_user_level(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
-        noise_multiplier=0.9, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=6, user_ids=user_ids,
-        sampling_seed=1,
-    )
+    engine, model, optimizer, loader = _private_linear(
+        accountant=kind, noise_multiplier=0.9, max_samples_per_user=5, users_per_batch=6, sampling_seed=1)
     steps = 0
     for _ in range(2):
         for x, y in loader:
@@ -69,14 +75,9 @@ def test_get_epsilon_equals_an_independent_dp_accounting_computation(kind):
 
 
 def test_empty_steps_add_noise_and_are_counted_with_or_without_backward():
-    dataset, user_ids = _linear_task(n=40, n_users=20)
-    model = torch.nn.Linear(5, 1)
-    engine = trl_userdp.PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_user_level(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
-        noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=2, users_per_batch=0.5, user_ids=user_ids,
-        sampling_seed=0, noise_generator=torch.Generator().manual_seed(0),
-    )
+    engine, model, optimizer, loader = _private_linear(
+        n=40, n_users=20, lr=1.0, noise_multiplier=1.0, max_samples_per_user=2, users_per_batch=0.5, sampling_seed=0,
+        noise_generator=torch.Generator().manual_seed(0))
     empty_seen = 0
     for i, (x, y) in enumerate(loader):
         before = model.weight.detach().clone()
@@ -96,14 +97,8 @@ def test_empty_steps_add_noise_and_are_counted_with_or_without_backward():
 
 
 def test_target_epsilon_calibrates_and_the_budget_guard_stops_at_the_plan():
-    dataset, user_ids = _linear_task()
-    model = torch.nn.Linear(5, 1)
-    engine = trl_userdp.PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_user_level(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
-        target_epsilon=3.0, target_delta=1e-5, steps=12, max_grad_norm=1.0, max_samples_per_user=5,
-        users_per_batch=6, user_ids=user_ids,
-    )
+    engine, model, optimizer, loader = _private_linear(
+        target_epsilon=3.0, target_delta=1e-5, steps=12, max_samples_per_user=5, users_per_batch=6)
     taken = 0
     with pytest.raises(trl_userdp.PrivacyBudgetExhausted):
         for _ in range(5):
@@ -115,14 +110,8 @@ def test_target_epsilon_calibrates_and_the_budget_guard_stops_at_the_plan():
 
 def test_a_plan_in_epochs_is_exactly_that_many_passes_over_the_loader():
     """q = 6/26 is not 1/k: a pass is round(1/q) = 4 steps, so 5 epochs are 20 steps, all affordable."""
-    dataset, user_ids = _linear_task(n=200, n_users=26)
-    model = torch.nn.Linear(5, 1)
-    engine = trl_userdp.PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_user_level(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
-        target_epsilon=3.0, target_delta=1e-5, epochs=5, max_grad_norm=1.0, max_samples_per_user=8,
-        users_per_batch=6, user_ids=user_ids,
-    )
+    engine, model, optimizer, loader = _private_linear(
+        n_users=26, target_epsilon=3.0, target_delta=1e-5, epochs=5, max_samples_per_user=8, users_per_batch=6)
     for _ in range(5):
         for x, y in loader:
             optimizer.zero_grad(); _loss(model(x), y).backward(); optimizer.step()  # noqa: E702
@@ -131,14 +120,8 @@ def test_a_plan_in_epochs_is_exactly_that_many_passes_over_the_loader():
 
 
 def test_a_fixed_sigma_with_a_target_trains_until_the_budget_is_spent():
-    dataset, user_ids = _linear_task()
-    model = torch.nn.Linear(5, 1)
-    engine = trl_userdp.PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_user_level(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
-        noise_multiplier=1.0, target_epsilon=2.0, target_delta=1e-5, max_grad_norm=1.0, max_samples_per_user=5,
-        users_per_batch=6, user_ids=user_ids,
-    )
+    engine, model, optimizer, loader = _private_linear(
+        noise_multiplier=1.0, target_epsilon=2.0, target_delta=1e-5, max_samples_per_user=5, users_per_batch=6)
     taken = 0
     with pytest.raises(trl_userdp.PrivacyBudgetExhausted):
         for _ in range(100):

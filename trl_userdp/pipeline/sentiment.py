@@ -80,6 +80,9 @@ class PipelineArguments:
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed of data, sampling and training."})
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
         """Bad settings fail here, before minutes of data building and embedding."""
         unknown = set(self.mechanisms) - set(MECHANISMS)
         if unknown:
@@ -370,7 +373,7 @@ def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, da
 
 def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
     """Run all stages; print and save the table, the curves and the plot. Returns the results."""
-    args.__post_init__()  # the fields may have been changed since construction
+    args.validate()  # the fields may have been changed since construction
     start = time.time()
     os.makedirs(args.output_dir, exist_ok=True)
     stages = tqdm(total=4, desc="pipeline", leave=True)
