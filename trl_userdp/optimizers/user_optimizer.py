@@ -7,7 +7,9 @@ Per step: ``g_u`` = each unit's average row gradient (from :class:`UserGradSampl
 
 from __future__ import annotations
 
+import math
 import secrets
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -73,6 +75,7 @@ class UserDPOptimizer(DPOptimizer):
         #: with True, a step the budget cannot pay for is skipped (no update, nothing accounted) instead of
         #: raising; the trainers use it so that training ends cleanly
         self.skip_when_exhausted = False
+        self._warned_non_finite = False
 
     @property
     def accumulated_iterations(self) -> int:
@@ -85,7 +88,12 @@ class UserDPOptimizer(DPOptimizer):
 
     def unit_gradients(self) -> List[torch.Tensor]:
         """Each parameter's per-unit *averaged* gradients ``[U, *p.shape]`` for the current step
-        (unit order: ``hooks.unit_ids``), from the hooks' per-unit sums; does not modify state."""
+        (unit order: ``hooks.unit_ids``), from the hooks' per-unit sums; does not modify state.
+
+        A unit whose averaged gradient is not finite in some parameter (a NaN label, an overflowing loss or
+        input) gets zero in every parameter: its clip factor is 0, so it adds nothing instead of NaN to
+        everyone's update. This is a function of that unit's data alone, so each unit's influence stays
+        within its sensitivity (docs/privacy_model.md, "Faults")."""
         stray = [name for p, name in self.hooks.param_names.items() if getattr(p, "_forward_counter", 0) != 0]
         if stray:
             raise ValueError(
@@ -95,8 +103,7 @@ class UserDPOptimizer(DPOptimizer):
             )
         counts = self.hooks.unit_counts
         n_units = len(counts)
-        check = self.self_check and n_units > 0 and self.hooks.micro_batches == 1
-        out = []
+        all_sums = []
         for p in self.params:
             sums = p.grad_sample
             if sums is None:
@@ -109,31 +116,72 @@ class UserDPOptimizer(DPOptimizer):
                 sums = torch.zeros((n_units, *p.shape), device=p.device, dtype=p.dtype)
             elif sums.shape[0] < n_units:  # unused in a later micro-batch: zero for the new units
                 sums = torch.cat([sums, sums.new_zeros((n_units - sums.shape[0], *p.shape))])
-            if check:
-                self._check_against_autograd(p, sums)
-            out.append(sums / counts.to(sums.device, sums.dtype).view(-1, *([1] * p.dim())))
-        if check:
-            self.self_check = self.hooks.record_row_norms = False
+            all_sums.append(sums)
+        out = [s / counts.to(s.device, s.dtype).view(-1, *([1] * (s.dim() - 1))) for s in all_sums]
+        bad = self._non_finite_units(out)
+        if self.self_check and n_units > 0 and self.hooks.micro_batches == 1:
+            if bad is None:  # autograd's gradient is NaN too while a unit is: check at a later step
+                self._self_check(all_sums)
+                self.self_check = self.hooks.record_row_norms = False
+        if bad is not None:
+            for g in out:
+                g.masked_fill_(bad.to(g.device).view(-1, *([1] * (g.dim() - 1))), 0)
         return out
 
-    def _check_against_autograd(self, p: torch.nn.Parameter, sums: torch.Tensor) -> None:
-        if p.grad is None:
-            return
-        expected = p.grad.reshape(p.shape)
-        got = sums.sum(0) / self.hooks.rows_seen
-        err = torch.linalg.vector_norm(got - expected)
-        # float error of a sum is relative to the size of its terms, which can cancel (a reward
-        # head's bias gets +g from the chosen row and -g from the rejected one)
-        terms = getattr(p, "_row_norm_sum", 0.0) / self.hooks.rows_seen
-        scale = max(float(torch.linalg.vector_norm(expected)), terms)
-        if not err <= 1e-3 * scale + 1e-12:
-            raise ValueError(
-                f"Self-check failed for {self._param_name(p)!r}: the per-user gradients add up to a different "
-                f"gradient than autograd's (relative error {float(err) / max(scale, 1e-30):.2e}). Training would "
-                "be wrong, so it stops here. Common causes: a forward that uses a weight outside its module "
-                "(fused or functional heads on tied embeddings, e.g. TRL's fused LM head); non-reentrant "
-                "gradient checkpointing; several backward passes per batch."
+    def _non_finite_units(self, unit_grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The mask of units with a non-finite averaged gradient (None if there is none). Warns once per
+        optimizer, without saying whose gradient or how many: both are private."""
+        if not unit_grads or unit_grads[0].shape[0] == 0:
+            return None
+        # a sum over a unit's entries is NaN/inf iff an entry is (or the unit is so large that its norm overflows)
+        bad = torch.zeros(unit_grads[0].shape[0], dtype=torch.bool, device=unit_grads[0].device)
+        for g in unit_grads:
+            bad |= ~torch.isfinite(g.reshape(g.shape[0], -1).sum(1)).to(bad.device)
+        if not bad.any():
+            return None
+        if not self._warned_non_finite:
+            self._warned_non_finite = True
+            warnings.warn(
+                "Some user's averaged gradient was not finite (NaN or inf: a NaN label or margin, an overflowing "
+                "loss or input) and was replaced by zero, so that user adds nothing to such steps; the privacy "
+                "guarantee holds. Shown once, and it does not say whose gradient or how often: that is private.",
+                RuntimeWarning,
+                stacklevel=3,
             )
+        return bad
+
+    def _self_check(self, sums: List[torch.Tensor]) -> None:
+        """Refuse to train if the per-unit sums do not add up to autograd's gradient, ``Σ_u S_u / R = p.grad``.
+
+        Float error is relative to the size of what was summed, so each parameter's tolerance is
+        ``rtol · max(‖p.grad‖, Σ_r ‖row gradient‖ / R, ‖whole gradient‖ · √(numel_p / numel))`` with ``rtol`` set
+        by the dtype's precision: the second term covers cancelling rows (a reward head's bias gets +g from the
+        chosen row and −g from the rejected one), the third parameters whose true gradient is zero (BERT's key
+        bias: softmax ignores it), whose computed gradient is float noise of the layer's scale."""
+        checked = [(p, s) for p, s in zip(self.params, sums) if p.grad is not None]
+        if not checked:
+            return
+        rows = self.hooks.rows_seen
+        whole = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad.float())) ** 2 for p, _ in checked))
+        numel = sum(p.numel() for p, _ in checked)
+        for p, s in checked:
+            expected = p.grad.reshape(p.shape).float()
+            err = float(torch.linalg.vector_norm(s.sum(0).float() / rows - expected))
+            rtol = max(1e-3, 16 * torch.finfo(s.dtype).eps)
+            scale = max(float(torch.linalg.vector_norm(expected)), getattr(p, "_row_norm_sum", 0.0) / rows,
+                        whole * math.sqrt(p.numel() / numel))
+            if not err <= rtol * scale + 1e-12:
+                non_finite = "" if torch.isfinite(expected).all() else (
+                    " Autograd's gradient is not finite although every user's is: non-finite values (NaN data, an "
+                    "overflowing loss) arose outside any one user's rows.")
+                raise ValueError(
+                    f"Self-check failed for {self._param_name(p)!r}: the per-user gradients add up to a different "
+                    f"gradient than autograd's (relative error {err / max(scale, 1e-30):.2e}, tolerance {rtol:.1e} for "
+                    f"{s.dtype}). Training would be wrong, so it stops here. Common causes: a forward that uses a "
+                    "weight outside its module (fused or functional heads on tied embeddings, e.g. TRL's fused LM "
+                    "head); non-reentrant gradient checkpointing; several backward passes per batch; a layer that "
+                    "mixes the rows of a batch." + non_finite
+                )
 
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
         for p, g in zip(self.params, self.unit_gradients()):
