@@ -25,14 +25,23 @@ STEPS = 5  # one pass over the loader: round(1/q) = round(30/6) steps
 
 
 def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB, stray_forward=False,
-           sampling_seed=3):
+           sampling_seed=3, fault=None):
     """One pass of private steps; returns the engine, the model, the update of every step and the rows
-    this process saw at each step."""
+    this process saw at each step. ``fault``: user 3's rows get a NaN label (``"nan"``) or weight 0 (``"zero"``:
+    the same user with an exactly zero gradient)."""
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)  # different inits: the engine syncs them
     model = torch.nn.Linear(*dim)
     dataset, ids = _linear_task(n_users=N_USERS)
     if dim[0] != 5:
         dataset = TensorDataset(torch.randn(200, dim[0], generator=torch.Generator().manual_seed(1)), dataset.tensors[1])
+    x, y = dataset.tensors
+    weight = torch.ones(len(y))
+    faulty = torch.tensor(ids) == 3
+    if fault == "nan":
+        y = torch.where(faulty, float("nan"), y)
+    elif fault == "zero":
+        weight[faulty] = 0.0
+    dataset = TensorDataset(x, y, weight)
     engine = trl_userdp.PrivacyEngine(accountant="rdp")
     model, optimizer, loader = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
@@ -40,9 +49,9 @@ def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB
         user_ids=ids, sampling_seed=sampling_seed, noise_generator=torch.Generator().manual_seed(11),
     )
     updates, rows = [], []
-    for x, y in loader:
+    for x, y, w in loader:
         optimizer.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x)[:, 0], y)
+        loss = (w * torch.nn.functional.binary_cross_entropy_with_logits(model(x)[:, 0], y, reduction="none")).mean()
         (0.0 * loss if zero_loss else loss).backward()
         if stray_forward:
             model(x)  # a training-mode forward without backward: the per-sample gradients are incomplete
@@ -70,6 +79,7 @@ def _worker(rank, world, tmp, case):
         engine, model, updates, rows = {
             "exact": lambda: _train(0.0, 1e6),
             "clip": lambda: _train(0.0, 0.01, upb=2.0),
+            "nan": lambda: _train(0.0, 0.01, upb=2.0, fault="nan"),
             # no sampling seed: rank 0 draws one from the OS and shares it
             "noise": lambda: _train(2.0, 0.5, zero_loss=True, dim=(40, 50), sampling_seed=None),
         }[case]()
@@ -87,12 +97,16 @@ def _spawn(tmp_path, case):
     return [torch.load(tmp_path / f"{case}{r}.pt", weights_only=False) for r in range(2)]
 
 
-@pytest.mark.parametrize("case,clip,upb", [("exact", 1e6, UPB), ("clip", 0.01, 2.0)])
+@pytest.mark.parametrize("case,clip,upb", [("exact", 1e6, UPB), ("clip", 0.01, 2.0), ("nan", 0.01, 2.0)])
 def test_two_processes_take_the_same_steps_as_one(case, clip, upb):
     """σ = 0: each rank holds its users' shard (users sharded by id, so each user's average and clip are
     exact), and the all-reduced update equals the single-process update on the same user draws — with no
-    clip reached, and with every user clipped (C = 0.01) and ñ = 2, where one rank's shard is often empty."""
-    _, _, single, _ = _train(0.0, clip, upb=upb)
+    clip reached, and with every user clipped (C = 0.01) and ñ = 2, where one rank's shard is often empty.
+    ``nan``: a user with a NaN label contributes exactly what a user with a zero gradient does (issue 11)."""
+    _, _, single, _ = _train(0.0, clip, upb=upb, fault="zero" if case == "nan" else None)
+    if case == "nan":  # the user is sampled in this run (the warning), and one process drops it too
+        with pytest.warns(RuntimeWarning, match="not finite"):
+            torch.testing.assert_close(_train(0.0, clip, upb=upb, fault="nan")[2], single, rtol=0, atol=0)
     with tempfile.TemporaryDirectory() as d:
         ranks = _spawn(Path(d), case)
     for r in ranks:

@@ -36,8 +36,11 @@ def test_two_draws_cannot_merge_into_one_step():
     engine, model, optimizer, loader = _setup()
     it = iter(loader)
     _loss(model, next(it)).backward()
-    with pytest.raises(ValueError, match="drew a new batch before optimizer.step"):
+    with pytest.raises(ValueError, match="drew a new batch before optimizer.step") as err:
         next(it)
+    assert "discard it first with `optimizer.hooks.set_row_users(None)`" in str(err.value)
+    engine.hooks.set_row_users(None)  # the documented way to skip a drawn batch ...
+    next(iter(loader))  # ... after which a new draw is accepted
 
 
 def test_a_loader_wrapper_that_reads_ahead_is_refused():
@@ -111,3 +114,32 @@ def test_guard_and_accountant_agree_when_the_wrapped_step_fails():
 def test_an_accountant_that_cannot_handle_the_relation_fails_before_training():
     with pytest.raises(ValueError, match="accountant='pld'"):
         _setup(engine=trl_userdp.PrivacyEngine(accountant="rdp", neighboring_relation="replace"))
+
+
+def test_a_noise_seed_keys_the_noise_by_step_so_a_resume_continues_it(tmp_path):
+    """With ``noise_seed`` the noise of step t comes from (seed, t): a run restored from a checkpoint at step 3
+    draws exactly the noise of steps 4-6 of the uninterrupted run, never that of steps 1-3 (issue 11, item 3)."""
+
+    def noise(engine, model, optimizer, loader, n):
+        out = []
+        for batch in itertools.islice(itertools.chain.from_iterable(itertools.repeat(loader)), n):
+            optimizer.zero_grad()
+            (0.0 * _loss(model, batch)).backward()  # σ > 0, zero gradient: the update is the noise
+            before = model.weight.detach().clone()
+            optimizer.step()
+            out.append(before - model.weight.detach())
+        return out
+
+    straight = noise(*_setup(noise_seed=5), 6)
+    engine, model, optimizer, loader = _setup(noise_seed=5)
+    first = noise(engine, model, optimizer, loader, 3)
+    path = os.path.join(tmp_path, "ckpt.pt")
+    engine.save_checkpoint(path=path, module=model, optimizer=optimizer)
+    engine2, model2, optimizer2, loader2 = _setup(noise_seed=5)
+    engine2.load_checkpoint(path=path, module=model2, optimizer=optimizer2)
+    resumed = noise(engine2, model2, optimizer2, loader2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(first, straight[:3]))
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight[3:]))
+    assert not any(torch.equal(a, b) for a in resumed for b in first)
+    with pytest.raises(ValueError, match="noise_seed"):
+        _setup(noise_seed=5, noise_generator=torch.Generator())

@@ -19,3 +19,17 @@ def test_a_plan_in_epochs_counts_the_trainers_steps(epochs, q):
 def test_bad_plans_raise(steps, epochs):
     with pytest.raises(ValueError):
         check_steps(steps, epochs, 0.1)
+
+
+def test_numpy_numbers_are_numbers():
+    """A budget read from a NumPy array is accepted as what it is (issue 11, item 8)."""
+    import numpy as np
+
+    from trl_userdp.validators import check_delta, check_epsilon, check_max_samples_per_user
+
+    assert check_epsilon(np.float32(3.0)) == 3.0 and isinstance(check_epsilon(np.float32(3.0)), float)
+    assert check_delta(np.float32(1e-5)) == pytest.approx(1e-5)
+    assert check_max_samples_per_user(np.int64(4)) == 4 and check_steps(np.int64(7), None, 0.1) == 7
+    for bad in (np.float32(0.0), np.float32("nan"), True, None, "3"):
+        with pytest.raises(ValueError, match="target_epsilon must be a finite number > 0"):
+            check_epsilon(bad)

@@ -27,7 +27,7 @@ from .data.phases import assign_phases, phase_datasets, phase_shares
 from .grad_sample import UserGradSampleHooks
 from .optimizers.aup_optimizer import AboveThreshold, AUPOptimizer, pairwise_distances
 from .privacy_engine import PrivacyEngine
-from .validators import check_positive, check_steps
+from .validators import check_positive, check_steps, warn_if_delta_is_large
 
 def default_max_users_per_batch(users_per_batch: float) -> int:
     """ñ + 4√ñ, rounded up: Poisson(ñ) exceeds it with probability below about 1e-4 per step."""
@@ -79,6 +79,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         bounding_seed: Optional[int] = 0,
         sampling_seed: Optional[int] = None,
         noise_generator: Optional[torch.Generator] = None,
+        noise_seed: Optional[int] = None,
         self_check: bool = True,
         grad_sample_mode: str = "hooks",
         user_key: Optional[str] = None,
@@ -117,6 +118,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         bounded, self.bounding = bound_contributions(
             data_loader.dataset, m, user_column=user_column, user_ids=user_ids, seed=bounding_seed
         )
+        warn_if_delta_is_large(target_delta, self.bounding.n_users)
         index = resolve_user_ids(bounded, user_column=user_column)
         phase_of_user = assign_phases(index, shares, bounding_seed)
         sizes = np.bincount(phase_of_user[phase_of_user >= 0], minlength=phases)
@@ -160,6 +162,8 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             svt_epsilon=self.svt_epsilon,
             hooks=hooks,
             generator=self.secure_rng if self.secure_mode else noise_generator,
+            noise_seed=noise_seed,
+            step_index=None if noise_seed is None else self.steps_accounted,
             secure_mode=self.secure_mode,
             self_check=self_check,
             budget_guard=self._check_budget,
@@ -176,6 +180,10 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         self._finish(module, aup, loader, "aup", self.phase_steps[0], gaussian_budget)
         aup.attach_step_hook(self._account_step)  # the current phase's accountant at the current rate
         return module, aup, loader
+
+    def steps_accounted(self) -> int:
+        """Steps accounted over all phases."""
+        return sum(acc.steps_taken for acc in self.phase_accountants)
 
     def _account_step(self, optimizer: AUPOptimizer) -> None:
         self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=self.data_loader.sample_rate)

@@ -16,9 +16,11 @@ Every privacy number comes from dp-accounting through the accountants of
 
 from __future__ import annotations
 
+import math
+import os
 import warnings
 from itertools import chain
-from typing import Any, Optional, Sequence, Tuple
+from typing import IO, Any, BinaryIO, Dict, Optional, Sequence, Tuple, Union
 
 import opacus
 import torch
@@ -26,6 +28,7 @@ from torch import nn, optim
 from torch.utils.data import DataLoader
 
 from .accountants import DPAccountingAccountant, PrivacyReport, calibrate_noise_multiplier
+from .checkpoints import load_plain
 from .accountants.accountant import ACCOUNTANTS_BY_NAME
 from .data import DEFAULT_USER_COLUMN, UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
@@ -40,6 +43,7 @@ from .validators import (
     check_positive,
     check_steps,
     steps_per_epoch,
+    warn_if_delta_is_large,
 )
 
 MECHANISMS = ("user_dpsgd", "group")
@@ -95,6 +99,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         bounding_seed: Optional[int] = 0,
         sampling_seed: Optional[int] = None,
         noise_generator: Optional[torch.Generator] = None,
+        noise_seed: Optional[int] = None,
         self_check: bool = True,
         grad_sample_mode: str = "hooks",
         user_key: Optional[str] = None,
@@ -110,6 +115,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         ``user_column`` of a ``datasets.Dataset`` say who wrote each row; ``rows_per_example=2`` for
         collators that emit ``[chosen; rejected]`` rows, stacked in two blocks (row i and row B + i are
         one example, as in TRL; an interleaved layout would be mis-assigned and is not detectable).
+        The noise comes from ``noise_generator``, or with ``noise_seed`` from a generator keyed by (seed, step),
+        which a resumed run continues instead of replaying (default: seeded from the OS).
         Every batch the loader yields must be used by one ``optimizer.step()``. With ``user_key`` the
         loader puts each batch's row -> user map into the (dict) batch under that key, and the training
         loop hands it to ``optimizer.hooks.set_row_users`` itself (for loops that prefetch batches).
@@ -144,6 +151,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             data_loader, mechanism, m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
             sampling_seed, user_key=user_key,
         )
+        if target_delta is not None:
+            warn_if_delta_is_large(target_delta, self.bounding.n_users)
         self._install_accountant(
             loader.sample_rate,
             group_size=m if mechanism == "group" else None,
@@ -162,6 +171,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             expected_batch_size=expected_units,
             hooks=hooks,
             generator=self.secure_rng if self.secure_mode else noise_generator,
+            noise_seed=noise_seed,
+            step_index=None if noise_seed is None else self.steps_accounted,
             secure_mode=self.secure_mode,
             self_check=self_check,
             budget_guard=self._check_budget if target_epsilon is not None else None,
@@ -274,6 +285,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.budget = budget
         return module, dp_optimizer, loader
 
+    def steps_accounted(self) -> int:
+        """Private steps accounted so far (restored from checkpoints): the position of the next step's noise."""
+        return self.accountant.steps_taken
+
     def budget_allows_step(self) -> bool:
         """Whether one more step stays within the budget, read from the accountant (so it survives
         checkpoint resumes). With one (σ, q) throughout, a step is allowed while fewer than the T steps
@@ -325,6 +340,47 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 f"{self.accountant.steps_taken} steps are already accounted. Stop training here."
             )
 
+    def load_checkpoint(
+        self,
+        *,
+        path: Union[str, os.PathLike, BinaryIO, IO[bytes]],
+        module: nn.Module,
+        optimizer: Optional[optim.Optimizer] = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
+        module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
+        torch_load_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Dict:
+        """Opacus's ``load_checkpoint``, but a checkpoint is data, never code: it loads with
+        ``weights_only=True`` (Opacus's runs whatever a tampered pickle holds), and the restored accountant
+        must match this engine's configuration and, once :meth:`make_private_user_level` ran, its (σ, q)."""
+        checkpoint = load_plain(path, **(torch_load_kwargs or {}))
+        module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
+        self.accountant.load_state_dict(checkpoint["privacy_accountant_state_dict"])
+        self.check_restored_history()
+        optimizer_state = checkpoint.pop("optimizer_state_dict", {})
+        if optimizer is not None and optimizer_state:
+            optimizer.load_state_dict(optimizer_state)
+        for scheduler, key in ((noise_scheduler, "noise_scheduler_state_dict"),
+                               (grad_clip_scheduler, "grad_clip_scheduler_state_dict")):
+            scheduler_state = checkpoint.pop(key, {})
+            if scheduler is not None and scheduler_state:
+                scheduler.load_state_dict(scheduler_state)
+        return checkpoint
+
+    def check_restored_history(self) -> None:
+        """Refuse a restored history whose steps ran at another (σ, q) than this run's: it was saved by
+        another run or edited (after :meth:`make_private_user_level`; before it there is nothing to compare)."""
+        if self.optimizer is None:
+            return
+        run = (self.optimizer.noise_multiplier, self.data_loader.sample_rate)
+        for sigma, q, n in self.accountant.history:
+            if not (math.isclose(sigma, run[0], rel_tol=1e-9) and math.isclose(q, run[1], rel_tol=1e-9)):
+                raise ValueError(
+                    f"The restored accountant holds {n} steps at σ={sigma:.6g}, q={q:.6g}, but this run's settings give "
+                    f"σ={run[0]:.6g}, q={run[1]:.6g}: the state belongs to another run or was edited; refusing to resume."
+                )
+
     def privacy_report(self, delta: float) -> PrivacyReport:
         """The :class:`PrivacyReport` of what has been spent so far, at ``delta``."""
         if self.optimizer is None:
@@ -344,7 +400,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
             neighboring_relation=self.accountant.relation,
             privacy_unit="user",
             max_grad_norm=opt.max_grad_norm,
-            rows_dropped=self.bounding.rows_dropped,
             extra={"expected_units_per_step": getattr(opt, "global_expected_batch_size", opt.expected_batch_size),
                    "clipping_unit": "record" if self.mechanism == "group" else "user",
                    "world_size": distributed.world_size()},

@@ -7,47 +7,62 @@ input fails before any work is done instead of silently weakening a privacy guar
 from __future__ import annotations
 
 import math
-from typing import Optional
+import numbers
+import warnings
+from typing import Any, Optional
+
+
+def _is_real(x: Any) -> bool:
+    """A real number of any numeric type (Python, NumPy's float32, ...), but not a bool or None."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def check_epsilon(epsilon: float, name: str = "target_epsilon") -> float:
     """ε must be a finite positive number."""
-    if epsilon is None or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon <= 0:
+    if not _is_real(epsilon) or not math.isfinite(epsilon) or epsilon <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {epsilon!r}.")
     return float(epsilon)
 
 
 def check_delta(delta: float, name: str = "target_delta") -> float:
     """δ must lie strictly between 0 and 1."""
-    if delta is None or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+    if not _is_real(delta) or not 0 < delta < 1:
         raise ValueError(f"{name} must lie in (0, 1), got {delta!r}.")
     return float(delta)
 
 
+def warn_if_delta_is_large(delta: float, n_users: int) -> None:
+    """δ ≥ 1/n allows a mechanism that publishes one whole user's data in the clear with probability δ·n ≥ 1
+    and still meets (ε, δ): warn (the usual rule is δ ≪ 1/n)."""
+    if delta * n_users >= 1:
+        warnings.warn(f"target_delta={delta:g} is not below 1/n_users = 1/{n_users}: (ε, δ)-DP at such a δ allows "
+                      "releasing a user's data outright; take δ well below 1/n_users.", UserWarning, stacklevel=3)
+
+
 def check_noise_multiplier(sigma: float, name: str = "noise_multiplier") -> float:
     """σ must be a finite number ≥ 0 (σ = 0 only makes sense with privacy switched off)."""
-    if sigma is None or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
+    if not _is_real(sigma) or not math.isfinite(sigma) or sigma < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {sigma!r}.")
     return float(sigma)
 
 
 def check_positive(value: float, name: str) -> float:
-    if value is None or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _is_real(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
     return float(value)
 
 
 def check_max_samples_per_user(m: Optional[int], name: str = "max_samples_per_user") -> int:
     """The contribution bound m is a whole number ≥ 1; without it there is no user-level guarantee."""
-    if m is None or isinstance(m, bool) or not isinstance(m, int) or m < 1:
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
         raise ValueError(
             f"{name} must be an integer >= 1, got {m!r}: user-level DP needs a bound on the rows one user contributes."
         )
-    return m
+    return int(m)
 
 
 def check_sample_rate(q: float, name: str = "sample_rate") -> float:
-    if q is None or not isinstance(q, (int, float)) or not 0 < q <= 1:
+    if not _is_real(q) or not 0 < q <= 1:
         raise ValueError(f"{name} must lie in (0, 1], got {q!r}.")
     return float(q)
 
@@ -67,9 +82,9 @@ def check_steps(steps: Optional[int], epochs: Optional[float], sample_rate: floa
     if steps is None:
         check_positive(epochs, "epochs")
         steps = math.ceil(epochs * steps_per_epoch(sample_rate))
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}.")
-    return steps
+    return int(steps)
 
 
 def check_users_per_batch(users_per_batch: float, n_users: int) -> float:

@@ -42,12 +42,22 @@ def test_state_dict_round_trip_keeps_relation_and_history():
     acc = DPPldAccountant(relation="replace")
     acc.step(noise_multiplier=1.0, sample_rate=0.1)
     state = acc.state_dict()
-    fresh = DPPldAccountant()
+    fresh = DPPldAccountant(relation="replace")
     fresh.load_state_dict(state)
     assert fresh.history == acc.history and fresh.relation == "replace"
     assert fresh.get_epsilon(1e-5) == pytest.approx(acc.get_epsilon(1e-5))
+    with pytest.raises(ValueError, match="not this run's"):
+        DPRdpAccountant(relation="replace").load_state_dict(state)  # a pld history is not an rdp one
+    with pytest.raises(ValueError, match="not this run's"):
+        DPPldAccountant().load_state_dict(state)  # nor is a replace-one history an add/remove one (issue 11)
+
+
+@pytest.mark.parametrize("history", [[(1.0, 0.1, 0)], [(-1.0, 0.1, 3)], [(1.0, 1.5, 3)], [(1.0, 0.1)], "x"])
+def test_a_malformed_history_is_refused(history):
+    state = DPPldAccountant().state_dict()
+    state["history"] = history
     with pytest.raises(ValueError):
-        DPRdpAccountant().load_state_dict(state)  # a pld history is not an rdp one
+        DPPldAccountant().load_state_dict(state)
 
 
 def test_no_steps_means_no_privacy_spent_and_bad_delta_raises():

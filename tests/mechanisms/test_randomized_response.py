@@ -38,9 +38,9 @@ def test_flip_rate_over_1e5_labels_is_one_minus_sigmoid_of_eps_over_m():
 def test_the_report_gives_eps_per_user_and_dp_accounting_agrees():
     eps, m = 2.0, 8
     rr = UserRandomizedResponse(eps, m, seed=1)
-    _, report = rr.privatize(_pairs(50, m, extra=5))
+    private, report = rr.privatize(_pairs(50, m, extra=5))
     assert report.epsilon == eps and report.delta == 0.0 and report.neighboring_relation == "replace"
-    assert report.rows_dropped == 5 and report.max_samples_per_user == m
+    assert len(private) == 50 * m and report.max_samples_per_user == m and "rows_dropped" not in report.to_dict()
     assert rr.epsilon_per_label == eps / m
     event = randomized_response_event(eps, m)
     assert compute_delta(event, eps, accountant="pld", relation="replace") == 0.0  # pure ε-DP per user
@@ -100,3 +100,29 @@ def test_bad_datasets_raise(make, kwargs, match):
 def test_bad_parameters_raise(kwargs):
     with pytest.raises(ValueError):
         UserRandomizedResponse(**kwargs)
+
+
+def test_a_user_column_whose_name_contains_label_is_not_mistaken_for_a_label():
+    """Label-derived columns are found by whole words (issue 11, item 8): ``labeller`` is a person, while
+    ``chosen_score`` still depends on the labels."""
+    data = _pairs(5, 2).rename_column("user_id", "labeller")
+    private, report = UserRandomizedResponse(1.0, 2, seed=0).privatize(data, user_column="labeller")
+    assert report.n_users == 5 and "labeller" in private.column_names
+    with pytest.raises(ValueError, match="depend on the private labels"):
+        UserRandomizedResponse(1.0, 2, seed=0).privatize(
+            data.add_column("chosen_score", [0.0] * len(data)), user_column="labeller")
+
+
+def test_privatize_once_draws_once_per_directory_and_refuses_other_data(tmp_path):
+    rr = UserRandomizedResponse(1.0, 4)  # no seed: every draw is fresh OS randomness
+    data = _pairs(30, 5)  # 5 rows per user, bound m = 4: the kept rows are drawn too
+    first, report = rr.privatize_once(data, str(tmp_path))
+    again, again_report = UserRandomizedResponse(1.0, 4).privatize_once(data, str(tmp_path))
+    assert again.to_dict() == first.to_dict() and again_report == report
+    fresh, _ = rr.privatize(data)
+    assert fresh.to_dict() != first.to_dict()  # a new draw differs, so the reuse above is not luck
+    for other, match in [(_pairs(31, 5), "the users differ"), (_pairs(30, 6), "a user's rows differ")]:
+        with pytest.raises(ValueError, match=match):
+            rr.privatize_once(other, str(tmp_path))
+    with pytest.raises(ValueError, match="another ε/m"):
+        UserRandomizedResponse(2.0, 4).privatize_once(data, str(tmp_path))

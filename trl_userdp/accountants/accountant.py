@@ -124,11 +124,27 @@ class DPAccountingAccountant(IAccountant):
         return destination
 
     def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
-        self.relation = state_dict.get("relation", self.relation)
-        self.group_size = state_dict.get("group_size", self.group_size)
-        self.els = state_dict.get("els", self.els)
-        self.truncation = state_dict.get("truncation", self.truncation)
+        """Restore the history saved by :meth:`state_dict`. A state saved under another configuration
+        (accountant, relation, group size, ELS, truncation) or with a malformed history is refused: loading it
+        would account this run's steps as another mechanism's."""
+        truncation = state_dict.get("truncation")
+        saved = (state_dict.get("mechanism"), state_dict.get("relation"), state_dict.get("group_size"),
+                 state_dict.get("els"), None if truncation is None else tuple(truncation))
+        own = (self.mechanism(), self.relation, self.group_size, self.els, self.truncation)
+        if saved != own:
+            raise ValueError(
+                "The saved accountant (mechanism, relation, group_size, els, truncation) = "
+                f"{saved} is not this run's {own}: it belongs to another run or was edited; refusing to load it."
+            )
+        history = state_dict.get("history")
+        if not isinstance(history, list) or not all(isinstance(h, (tuple, list)) and len(h) == 3 for h in history):
+            raise ValueError(f"The saved accountant history is malformed: {history!r}.")
+        for sigma, q, n in history:
+            check_noise_multiplier(sigma)
+            check_sample_rate(q)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"The saved accountant history has a step count {n!r}; counts are integers >= 1.")
+        self.history = [(float(sigma), float(q), int(n)) for sigma, q, n in history]
 
 
 @lru_cache(maxsize=64)

@@ -18,7 +18,10 @@ class PrivacyReport:
     ``neighboring_relation`` names the unit change the guarantee is about ("add_or_remove" or
     "replace" one user); ``max_grad_norm`` is C for clipping mechanisms and
     ``concentration_radius`` is τ for AUP-RLHF; ``steps`` is the planned T and ``steps_taken``
-    the number of optimizer steps actually accounted (empty steps included).
+    the number of optimizer steps actually accounted (empty steps included). It is meant to be published
+    beside the model, so it holds nothing that ε does not cover: no seeds, no secret state, and not the count
+    of rows contribution bounding dropped (it can reveal one user's row count; the data owner finds it in
+    ``PrivacyEngine.bounding``).
     """
 
     mechanism: str
@@ -35,7 +38,6 @@ class PrivacyReport:
     privacy_unit: str = "user"
     max_grad_norm: Optional[float] = None
     concentration_radius: Optional[float] = None
-    rows_dropped: int = 0
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:

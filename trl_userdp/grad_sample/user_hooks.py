@@ -57,7 +57,9 @@ class UserGradSampleHooks(GradSampleHooks):
                     "The loader drew a new batch before optimizer.step() used the previous one. Call "
                     "optimizer.step() once per batch (also for empty ones), and iterate the loader returned by "
                     "make_private_user_level directly: wrappers that read ahead (prefetchers, accelerate.prepare) "
-                    "would pair a batch with another batch's users, and merging draws breaks the accounting."
+                    "would pair a batch with another batch's users, and merging draws breaks the accounting. To skip a "
+                    "drawn batch on purpose, discard it first with `optimizer.hooks.set_row_users(None)` (nothing is "
+                    "accounted for it)."
                 )
             row_users = torch.as_tensor(row_users, dtype=torch.long)
         self._pending = row_users

@@ -8,10 +8,16 @@ this mechanism protects who preferred what, not the texts.
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Optional, Tuple
+import os
+import re
+from collections import Counter
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
+from accelerate import PartialState
+from datasets import load_from_disk
 
 from ..accountants import PrivacyReport
 from ..data import DEFAULT_USER_COLUMN, bound_contributions
@@ -21,6 +27,11 @@ from ..validators import check_epsilon, check_max_samples_per_user
 #: Column added to a privatized dataset: the per-label ε' it was privatized with. Its presence marks
 #: the dataset as privatized (privatizing twice is refused), and trainers read it to set the loss.
 PRIVATIZED_COLUMN = "rr_epsilon_per_label"
+#: Words that mark a column as derived from the labels (``chosen_input_ids``, ``margin``, ``score_rejected``),
+#: matched as whole words so that e.g. a ``labeller`` column is not mistaken for one.
+LABEL_WORDS = {"chosen", "rejected", "label", "labels", "score", "scores", "margin"}
+#: Folder (inside a run's output directory) holding the privatized dataset, drawn once per directory.
+OUTPUT_DIR = "randomized_response"
 
 
 class UserRandomizedResponse:
@@ -100,8 +111,8 @@ class UserRandomizedResponse:
                 raise ValueError(f"The dataset has no {missing} column(s); pass `label_column` or the column names.")
         elif label_column not in dataset.column_names:
             raise ValueError(f"The dataset has no label column {label_column!r} (columns: {dataset.column_names}).")
-        derived = [c for c in dataset.column_names if c not in (chosen_column, rejected_column, label_column)
-                   and (c == "margin" or any(k in c for k in ("chosen", "rejected", "label", "score")))]
+        derived = [c for c in dataset.column_names if c not in (chosen_column, rejected_column, label_column, user_column)
+                   and LABEL_WORDS & set(re.split(r"[^a-z0-9]+", c.lower()))]
         if derived:
             raise ValueError(
                 f"Columns {derived} depend on the private labels (token ids of chosen/rejected, margins, scores) and "
@@ -125,9 +136,12 @@ class UserRandomizedResponse:
             bounded = bounded.remove_columns([chosen_column, rejected_column])
             bounded = bounded.add_column(chosen_column, new_chosen).add_column(rejected_column, new_rejected)
         bounded = bounded.add_column(PRIVATIZED_COLUMN, [self.epsilon_per_label] * len(bounded))
-        report = PrivacyReport(
+        return bounded, self._report(bounding.n_users)
+
+    def _report(self, n_users: int) -> PrivacyReport:
+        return PrivacyReport(
             mechanism="randomized_response",
-            n_users=bounding.n_users,
+            n_users=n_users,
             max_samples_per_user=self.max_samples_per_user,
             sample_rate=None,
             noise_multiplier=None,
@@ -137,7 +151,6 @@ class UserRandomizedResponse:
             epsilon=self.epsilon,
             delta=0.0,
             neighboring_relation="replace",
-            rows_dropped=bounding.rows_dropped,
             extra={
                 "epsilon_per_label": self.epsilon_per_label,
                 "num_choices": self.num_choices,
@@ -145,4 +158,50 @@ class UserRandomizedResponse:
                 "protects": "labels only",
             },
         )
-        return bounded, report
+
+    def privatize_once(self, dataset: Any, directory: str, **kwargs: Any) -> Tuple[Any, PrivacyReport]:
+        """:meth:`privatize`, drawn once per ``directory``: the first call saves the privatized dataset (the
+        mechanism's output, safe to publish) under ``directory/{OUTPUT_DIR}``; later calls (a resumed run)
+        reuse it instead of drawing fresh flips, which would be a second, unaccounted release of the same
+        labels. A saved output that does not match ``dataset`` (other users, other pairs, other settings)
+        is refused. Under several processes the main one draws, the others load its output."""
+        path = os.path.join(directory, OUTPUT_DIR)
+        with PartialState().main_process_first():
+            if os.path.isdir(path):
+                saved = load_from_disk(path)
+                self._check_matches(saved, dataset, path, **kwargs)
+                user_column = kwargs.get("user_column", DEFAULT_USER_COLUMN)
+                return saved, self._report(len(set(saved[user_column])))
+            private, report = self.privatize(dataset, **kwargs)
+            if PartialState().is_main_process:
+                private.save_to_disk(path)
+        return private, report
+
+    def _check_matches(self, saved: Any, dataset: Any, path: str, *, user_column: str = DEFAULT_USER_COLUMN,
+                       label_column: Optional[str] = None, chosen_column: str = "chosen",
+                       rejected_column: str = "rejected") -> None:
+        """``saved`` must be this mechanism's output on ``dataset``: same settings, same users, each user's
+        min(rows, m) rows drawn from its own rows (compared without the labels, which the output changed)."""
+
+        def content(row: dict) -> str:
+            row = {k: v for k, v in row.items() if k not in (PRIVATIZED_COLUMN, label_column)}
+            if label_column is None:  # the pair, unordered: the output may have swapped it
+                row["pair"] = sorted(json.dumps(row.pop(c), sort_keys=True) for c in (chosen_column, rejected_column))
+            return json.dumps(row, sort_keys=True, default=str)
+
+        refuse = (f"{path} holds labels privatized from other data or settings; reusing them would be wrong and "
+                  "drawing new ones would release the labels twice. Use the same data and privacy settings, or "
+                  "another output_dir.")
+        if PRIVATIZED_COLUMN not in saved.column_names or set(saved[PRIVATIZED_COLUMN]) != {self.epsilon_per_label}:
+            raise ValueError(f"{refuse} (privatized at another ε/m than {self.epsilon_per_label:g})")
+        have: Dict[Any, Counter] = {}
+        for row in dataset:
+            have.setdefault(row[user_column], Counter())[content(row)] += 1
+        kept: Dict[Any, Counter] = {}
+        for row in saved:
+            kept.setdefault(row[user_column], Counter())[content(row)] += 1
+        if set(have) != set(kept):
+            raise ValueError(f"{refuse} (the users differ)")
+        for user, rows in kept.items():
+            if rows - have[user] or sum(rows.values()) != min(sum(have[user].values()), self.max_samples_per_user):
+                raise ValueError(f"{refuse} (a user's rows differ)")

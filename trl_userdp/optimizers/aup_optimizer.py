@@ -23,6 +23,7 @@ from typing import List, Optional
 
 import torch
 
+from ..seeding import derive_seed
 from .user_optimizer import UserDPOptimizer
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class AUPOptimizer(UserDPOptimizer):
         svt_epsilon: float,
         hooks,
         generator: Optional[torch.Generator] = None,
+        noise_seed: Optional[int] = None,
+        step_index=None,
         secure_mode: bool = False,
         self_check: bool = True,
         budget_guard=None,
@@ -106,6 +109,8 @@ class AUPOptimizer(UserDPOptimizer):
             expected_batch_size=expected_batch_size,
             hooks=hooks,
             generator=generator,
+            noise_seed=noise_seed,
+            step_index=step_index,
             secure_mode=secure_mode,
             self_check=self_check,
             budget_guard=budget_guard,
@@ -155,7 +160,15 @@ class AUPOptimizer(UserDPOptimizer):
     def svt_queries_by_phase(self) -> List[int]:
         return self.finished_phase_queries + [self.svt.queries]
 
+    def key_randomness(self) -> None:
+        """With ``noise_seed``: the Gaussian noise and AboveThreshold's and the removal's draws of this step from
+        ``(noise_seed, step_index())``."""
+        super().key_randomness()
+        if self.noise_seed is not None:
+            self.cpu_generator.manual_seed(derive_seed(self.noise_seed, "aup", self.step_index()))
+
     def pre_step(self, closure=None) -> bool:
+        self.key_randomness()
         grads = self.unit_gradients()
         n_units = len(self.hooks.unit_counts)
         if n_units > self.max_users_per_batch:

@@ -17,6 +17,7 @@ from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from torch.optim import Optimizer
 
 from ..grad_sample import UserGradSampleHooks
+from ..seeding import derive_seed
 
 
 class PrivacyBudgetExhausted(RuntimeError):
@@ -31,6 +32,11 @@ class UserDPOptimizer(DPOptimizer):
         noise_multiplier: σ; the noise std on the sum is ``σ · max_grad_norm``.
         generator: source of the noise (default: a generator seeded from the OS, on the parameters'
             device; pass a seeded one only for reproducible experiments).
+        noise_seed: instead of ``generator``, key each step's noise by ``(noise_seed, step_index())``
+            (:func:`~trl_userdp.seeding.derive_seed`): reproducible, and a resumed run continues the noise
+            stream instead of replaying it. Keep it secret: whoever knows it can subtract the noise.
+        step_index: with ``noise_seed``, the number of steps taken before this one (the engine passes its
+            accountant's count, which checkpoints restore).
         max_grad_norm: C, the bound on each unit's averaged gradient.
         expected_batch_size: ñ, expected units per step (``users_per_batch``); the noisy sum is
             divided by it whatever the step's actual number of users.
@@ -50,10 +56,15 @@ class UserDPOptimizer(DPOptimizer):
         expected_batch_size: float,
         hooks: UserGradSampleHooks,
         generator: Optional[torch.Generator] = None,
+        noise_seed: Optional[int] = None,
+        step_index: Optional[Callable[[], int]] = None,
         secure_mode: bool = False,
         self_check: bool = True,
         budget_guard: Optional[Callable[[], None]] = None,
     ):
+        if noise_seed is not None and (generator is not None or secure_mode or step_index is None):
+            raise ValueError("noise_seed keys the noise by step: give it with step_index, and without a generator "
+                             "or secure_mode.")
         if generator is None and not secure_mode:
             # Opacus would use the global RNG, which training scripts seed with a public value (the
             # Trainer's `seed`): then anyone could replay the noise. Draw the seed from the OS instead.
@@ -70,6 +81,7 @@ class UserDPOptimizer(DPOptimizer):
             secure_mode=secure_mode,
         )
         self.hooks = hooks
+        self.noise_seed, self.step_index = noise_seed, step_index
         self.self_check = hooks.record_row_norms = self_check
         self.budget_guard = budget_guard
         #: with True, a step the budget cannot pay for is skipped (no update, nothing accounted) instead of
@@ -183,7 +195,13 @@ class UserDPOptimizer(DPOptimizer):
                     "mixes the rows of a batch." + non_finite
                 )
 
+    def key_randomness(self) -> None:
+        """With ``noise_seed``: seed this step's noise from ``(noise_seed, step_index())``."""
+        if self.noise_seed is not None:
+            self.generator.manual_seed(derive_seed(self.noise_seed, "noise", self.step_index()))
+
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
+        self.key_randomness()
         for p, g in zip(self.params, self.unit_gradients()):
             p.grad_sample = g
         return super().pre_step(closure)

@@ -70,7 +70,7 @@ class UserDPDPOTrainer(UserDPTrainerMixin, DPOTrainer):
                 f"loss_type {sorted(BATCH_COUPLED_LOSSES & set(args.loss_type))} couples the pairs of a batch, which "
                 "breaks the per-user bound of DP-SGD; use a per-pair loss such as 'sigmoid' or 'robust'."
             )
-        train_dataset = self._privatize_labels(train_dataset, args)
+        train_dataset = self._prepare_train_dataset(train_dataset, args)
         if self.randomized_response is not None:
             if set(args.loss_type) - {"sigmoid", "robust"}:
                 raise ValueError("privacy_mechanism='randomized_response' trains rDPO; leave loss_type at 'sigmoid'.")

@@ -18,17 +18,21 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
+import datasets
 import torch
-from torch.utils.data import DataLoader
-from transformers import TrainerCallback
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import TrainerCallback, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..accountants import PrivacyReport
 from ..adaptive_engine import AdaptiveUserPrivacyEngine
+from ..checkpoints import load_plain
 from ..data import resolve_user_ids
 from ..mechanisms import UserRandomizedResponse
+from ..mechanisms.randomized_response import OUTPUT_DIR as RR_OUTPUT_DIR
 from ..privacy_engine import PrivacyEngine
 from .privacy_config import GRADIENT_MECHANISMS
 
@@ -77,18 +81,32 @@ class UserDPTrainerMixin:
     rows_per_example = 2
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _privatize_labels(self, train_dataset, args):
-        """For ``randomized_response``: flip the labels once, before TRL tokenizes the dataset."""
+    def _prepare_train_dataset(self, train_dataset, args):
+        """Before the TRL trainer's ``__init__`` (which tokenizes the dataset): refuse datasets user-level
+        sampling cannot use, and for ``randomized_response`` flip the labels, once per output directory
+        (a resumed run reuses the saved output instead of a second, unaccounted draw)."""
         self.rr_report: Optional[PrivacyReport] = None
         self.randomized_response: Optional[UserRandomizedResponse] = None
+        if args.privacy_mechanism == "none":
+            return train_dataset
+        if train_dataset is None or isinstance(train_dataset, (IterableDataset, datasets.IterableDataset)):
+            raise ValueError(
+                f"User-level DP needs a map-style train_dataset (a datasets.Dataset with a {args.user_column!r} "
+                f"column), got {type(train_dataset).__name__}: users are sampled from the whole dataset, and a "
+                "streamed one has no length. Load it without streaming=True."
+            )
+        if len(train_dataset) == 0:
+            raise ValueError("train_dataset is empty: there are no users to train on.")
         if args.privacy_mechanism != "randomized_response":
             return train_dataset
         self.randomized_response = UserRandomizedResponse(
             args.target_epsilon, args.max_samples_per_user, seed=args.privacy_seed
         )
-        train_dataset, self.rr_report = self.randomized_response.privatize(train_dataset, user_column=args.user_column)
-        logger.info("Randomized response: %d labels privatized once (ε = %g per user, ε/m = %g per label).",
-                    len(train_dataset), args.target_epsilon, self.randomized_response.epsilon_per_label)
+        train_dataset, self.rr_report = self.randomized_response.privatize_once(
+            train_dataset, args.output_dir, user_column=args.user_column)
+        logger.info("Randomized response: %d labels privatized once (ε = %g per user, ε/m = %g per label), kept in %s.",
+                    len(train_dataset), args.target_epsilon, self.randomized_response.epsilon_per_label,
+                    os.path.join(args.output_dir, RR_OUTPUT_DIR))
         return train_dataset
 
     def _init_privacy(self) -> None:
@@ -96,7 +114,7 @@ class UserDPTrainerMixin:
         after the config was built) and the user column, add the budget callback."""
         self.args._validate_privacy_fields()
         self.privacy_engine = None
-        self._restored_privacy_state: Optional[Dict[str, Any]] = None
+        self._restored_privacy_state: Optional[Tuple[Dict[str, Any], int, str]] = None
         if self.args.privacy_mechanism in GRADIENT_MECHANISMS:
             resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
             if self.accelerator.num_processes > 1:
@@ -116,7 +134,7 @@ class UserDPTrainerMixin:
         self.model.train()  # from_pretrained leaves models in eval mode; the Trainer switches later
         if self.optimizer is None:
             self.create_optimizer()
-        users_per_batch = args.users_per_batch or float(args.per_device_train_batch_size)
+        users_per_batch = float(args.per_device_train_batch_size) if args.users_per_batch is None else args.users_per_batch
         common = dict(
             module=self.model,
             optimizer=self.optimizer,
@@ -130,7 +148,7 @@ class UserDPTrainerMixin:
             rows_per_example=self.rows_per_example,
             bounding_seed=args.seed,  # which rows a user keeps: a function of that user's rows only
             sampling_seed=args.privacy_seed,
-            noise_generator=None if args.privacy_seed is None else torch.Generator().manual_seed(args.privacy_seed),
+            noise_seed=args.privacy_seed,  # keyed by (seed, step): a resumed run continues the noise, never replays it
             user_key=USER_KEY,
         )
         length = dict(steps=args.max_steps) if args.max_steps > 0 else dict(epochs=args.num_train_epochs)
@@ -151,13 +169,14 @@ class UserDPTrainerMixin:
                 mechanism="group" if args.privacy_mechanism == "group" else "user_dpsgd",
                 group_accounting=args.group_accounting, **common, **length,
             )
-        if self._restored_privacy_state is not None:
-            self._apply_privacy_state(engine, self._restored_privacy_state)
         optimizer.skip_when_exhausted = True  # the budget callback then ends training cleanly
         self.privacy_engine, self.optimizer, self._private_loader = engine, optimizer, loader
-        logger.info("User-level DP (%s): n=%d users, q=%.4g, σ=%.4g, %d rows dropped by contribution bounding.",
-                    args.privacy_mechanism, loader.n_users, loader.sample_rate, optimizer.noise_multiplier,
-                    engine.bounding.rows_dropped)
+        if self._restored_privacy_state is not None:
+            self._apply_privacy_state(*self._restored_privacy_state)
+        logger.info("User-level DP (%s): n=%d users, q=%.4g, σ=%.4g.", args.privacy_mechanism, loader.n_users,
+                    loader.sample_rate, optimizer.noise_multiplier)
+        logger.info("Private, for the data owner only (not in the report; ε does not cover it): contribution "
+                    "bounding dropped %d rows.", engine.bounding.rows_dropped)
 
     # -- Trainer extension points ---------------------------------------------------------------
     def get_train_dataloader(self):
@@ -269,6 +288,8 @@ class UserDPTrainerMixin:
             torch.save(self._privacy_state(), os.path.join(output_dir, PRIVACY_STATE_FILE))
 
     def _privacy_state(self) -> Dict[str, Any]:
+        """What a checkpoint needs to resume the privacy: the accountant's history and, for AUP-RLHF, the
+        AboveThreshold state, whose noisy threshold is a secret of the mechanism (checkpoints only)."""
         engine = self.privacy_engine
         state = {"accountant": engine.accountant.state_dict()}
         svt = getattr(engine.optimizer, "svt", None)
@@ -277,14 +298,31 @@ class UserDPTrainerMixin:
                             "halted": engine.optimizer.halted, "halted_at_query": engine.optimizer.halted_at_query}
         return state
 
-    @staticmethod
-    def _apply_privacy_state(engine, state: Dict[str, Any]) -> None:
+    def _apply_privacy_state(self, state: Dict[str, Any], global_step: int, path: str) -> None:
+        """Restore a checkpoint's privacy state, checked against the run it resumes: the accountant must be
+        this configuration's, at this run's (σ, q), and account every step the checkpoint took (steps go
+        unaccounted only after the budget ran out or AboveThreshold halted)."""
+        engine = self.privacy_engine
         engine.accountant.load_state_dict(state["accountant"])
-        if "svt" in state:
-            opt = engine.optimizer
-            opt.svt.noisy_threshold = state["svt"]["noisy_threshold"]  # the run's one threshold, not a new draw
-            opt.svt.queries = state["svt"]["queries"]
-            opt.halted, opt.halted_at_query = state["svt"]["halted"], state["svt"]["halted_at_query"]
+        engine.check_restored_history()
+        svt, opt = state.get("svt"), engine.optimizer
+        if (svt is None) != (getattr(opt, "svt", None) is None):
+            raise ValueError(f"{path}: the AboveThreshold state does not match this run's mechanism; refusing to resume.")
+        accounted = engine.steps_accounted()
+        if svt is not None:
+            opt.svt.noisy_threshold = svt["noisy_threshold"]  # the run's one threshold, not a new draw
+            opt.svt.queries = svt["queries"]
+            opt.halted, opt.halted_at_query = svt["halted"], svt["halted_at_query"]
+            if svt["queries"] != accounted + int(svt["halted"]):
+                raise ValueError(f"{path}: {svt['queries']} AboveThreshold queries for {accounted} accounted steps; "
+                                 "the state was edited; refusing to resume.")
+        finished = (svt is not None and svt["halted"]) or not engine.budget_allows_step()
+        if accounted > global_step or (accounted < global_step and not finished):
+            raise ValueError(
+                f"{path}: the restored accountant holds {accounted} steps, but the checkpoint is at step {global_step}. "
+                "Resuming would under-count the privacy spent (the state was edited or belongs to another run); "
+                "refusing to resume."
+            )
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
@@ -301,9 +339,8 @@ class UserDPTrainerMixin:
         if self._dp_active:
             if not os.path.isfile(path):
                 raise ValueError(f"{resume_from_checkpoint} has no {PRIVACY_STATE_FILE}: resuming would reset the accountant.")
-            state = torch.load(path, weights_only=False)
-            if self.privacy_engine is None:
-                self._restored_privacy_state = state
-            else:
-                self._apply_privacy_state(self.privacy_engine, state)
-
+            state = load_plain(path)
+            global_step = TrainerState.load_from_json(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)).global_step
+            self._restored_privacy_state = (state, global_step, path)
+            if self.privacy_engine is not None:
+                self._apply_privacy_state(*self._restored_privacy_state)

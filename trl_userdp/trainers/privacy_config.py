@@ -76,6 +76,20 @@ class UserDPArguments:
         super().__post_init__()
         self._validate_privacy_fields()
 
+    def to_dict(self):
+        """As transformers hides hub tokens: the ``privacy_seed`` never reaches logs, TensorBoard or model cards."""
+        d = super().to_dict()
+        if d.get("privacy_seed") is not None:
+            d["privacy_seed"] = "<PRIVACY_SEED>"
+        return d
+
+    def __getstate__(self):
+        """Pickles (transformers' ``training_args.bin`` beside every saved model) leave out the ``privacy_seed``,
+        which would let anyone replay the noise; a resumed run takes it from its own config."""
+        state = dict(self.__dict__)
+        state["privacy_seed"] = None
+        return state
+
     def _validate_privacy_fields(self) -> None:
         if self.privacy_mechanism not in PRIVACY_MECHANISMS:
             raise ValueError(f"privacy_mechanism must be one of {PRIVACY_MECHANISMS}, got {self.privacy_mechanism!r}.")
@@ -94,6 +108,8 @@ class UserDPArguments:
         if self.privacy_mechanism not in GRADIENT_MECHANISMS:
             return
         check_positive(self.per_user_max_grad_norm, "per_user_max_grad_norm")
+        if self.users_per_batch is not None:
+            check_positive(self.users_per_batch, "users_per_batch")
         if getattr(self, "include_num_input_tokens_seen", "no") not in ("no", False):
             logger.warning("include_num_input_tokens_seen counts the tokens of private batches; turned off under DP.")
             self.include_num_input_tokens_seen = "no"

@@ -18,7 +18,7 @@ class UserDPRewardTrainer(UserDPTrainerMixin, RewardTrainer):
     def __init__(self, model, args: UserDPRewardConfig = None, data_collator=None, train_dataset=None, *rest, **kwargs):
         if not isinstance(args, UserDPRewardConfig):
             raise ValueError("UserDPRewardTrainer needs `args=UserDPRewardConfig(...)` (RewardConfig plus privacy fields).")
-        train_dataset = self._privatize_labels(train_dataset, args)
+        train_dataset = self._prepare_train_dataset(train_dataset, args)
         super().__init__(model, args, data_collator, train_dataset, *rest, **kwargs)
         self._init_privacy()
         if self.randomized_response is not None:

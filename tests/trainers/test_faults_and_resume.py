@@ -1,0 +1,296 @@
+"""The trainers under faults (issue 11): a non-finite user, a resume, a tampered or hostile checkpoint, and the
+files a user publishes."""
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset, load_from_disk
+from transformers import TrainerCallback
+
+from trl_userdp import PrivacyReport
+from trl_userdp.mechanisms.randomized_response import OUTPUT_DIR
+from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
+
+from ..tiny_models import text_preference_dataset, tiny_llama_lm, tiny_tokenizer
+from .scripts import COMMON, reward_script, tiny_reward_model
+
+BAD_USER = "user2"
+
+
+class _ParamsPerStep(TrainerCallback):
+    def __init__(self, model):
+        self.model, self.after = model, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.after.append(torch.cat([p.detach().flatten().clone() for p in self.model.parameters()]))
+
+
+def _dataset_with(user_rows, **columns):
+    """8 users × 3 pairs (plus ``columns`` on every row); ``user_rows(row)`` edits the bad user's rows."""
+    data = text_preference_dataset(n_users=8, pairs_per_user=3).to_dict()
+    rows = [{**dict(zip(data, values)), **columns} for values in zip(*data.values())]
+    return Dataset.from_list([user_rows(r) if r["user_id"] == BAD_USER else r for r in rows])
+
+
+NOISELESS_EVERY_USER = dict(noise_multiplier=0.0, target_epsilon=None, users_per_batch=8.0, privacy_seed=0)
+
+
+def _train_reward(dataset, output_dir, steps=3, **config):
+    tokenizer = tiny_tokenizer()
+    model = tiny_reward_model(tokenizer)
+    args = UserDPRewardConfig(output_dir=output_dir, max_steps=steps, **{**COMMON, **NOISELESS_EVERY_USER, **config})
+    trainer = UserDPRewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    record = _ParamsPerStep(trainer.model)
+    trainer.add_callback(record)
+    trainer.train()
+    return record.after
+
+
+def _train_dpo(dataset, output_dir, steps=3, poison=None):
+    tokenizer = tiny_tokenizer()
+    policy = tiny_llama_lm(len(tokenizer))
+    reference = copy.deepcopy(policy)
+    if poison is not None:  # a token whose reference embedding is NaN: that row's reference log-probs are NaN
+        with torch.no_grad():
+            reference.model.embed_tokens.weight[poison] = float("nan")
+    args = UserDPDPOConfig(output_dir=output_dir, max_steps=steps, **{**COMMON, **NOISELESS_EVERY_USER})
+    trainer = UserDPDPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=dataset,
+                               processing_class=tokenizer)
+    record = _ParamsPerStep(trainer.model)
+    trainer.add_callback(record)
+    trainer.train()
+    return record.after
+
+
+def _assert_same_steps(got, expected):
+    assert len(got) == len(expected) == 3
+    for step, (a, b) in enumerate(zip(got, expected), start=1):
+        assert torch.isfinite(a).all(), f"step {step}: NaN reached the parameters"
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), f"step {step}"
+
+
+def test_reward_trainer_a_nan_margin_user_counts_as_a_zero_gradient(tmp_path):
+    # reference: margin -1e4 makes the user's loss flat (σ(-1e4) = 0 in float32): an exactly zero gradient
+    flat = _train_reward(_dataset_with(lambda r: {**r, "margin": -1e4}, margin=0.0), str(tmp_path / "a"))
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        nan = _train_reward(_dataset_with(lambda r: {**r, "margin": float("nan")}, margin=0.0), str(tmp_path / "b"))
+    _assert_same_steps(nan, flat)
+
+
+def test_dpo_trainer_a_user_with_non_finite_reference_log_probs_counts_as_a_zero_gradient(tmp_path):
+    unk = tiny_tokenizer().unk_token_id
+    # the user's pairs compare a response with itself: their DPO gradient is zero up to float error
+    same = lambda text: lambda r: {**r, "chosen": text, "rejected": text}  # noqa: E731
+    zero = _train_dpo(_dataset_with(same(" the movie was great")), str(tmp_path / "a"), poison=unk)
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        nan = _train_dpo(_dataset_with(same(" the movie was<unk>")), str(tmp_path / "b"), poison=unk)
+    _assert_same_steps(nan, zero)
+
+
+# -- randomized response is drawn once per output directory (item 2) -----------------------------------------
+def _rr_trainer(output_dir, dataset=None):
+    tokenizer = tiny_tokenizer()
+    args = UserDPRewardConfig(output_dir=output_dir, max_steps=1, privacy_mechanism="randomized_response",
+                              target_epsilon=1.0, max_samples_per_user=3, **COMMON)
+    return UserDPRewardTrainer(model=tiny_reward_model(tokenizer), args=args, processing_class=tokenizer,
+                               train_dataset=dataset or text_preference_dataset(n_users=8, pairs_per_user=3))
+
+
+def test_randomized_response_is_reused_on_resume_and_refused_on_other_data(tmp_path):
+    first = _rr_trainer(str(tmp_path / "run"))  # privacy_seed unset: the flips come from the OS
+    saved = load_from_disk(str(tmp_path / "run" / OUTPUT_DIR))
+    assert "rr_epsilon_per_label" in saved.column_names and len(saved) == 24
+    assert not {"flip", "flipped", "true_label"} & set(saved.column_names)  # the output, never the flip mask
+    resumed = _rr_trainer(str(tmp_path / "run"))
+    assert resumed.train_dataset.to_dict() == first.train_dataset.to_dict()
+    assert load_from_disk(str(tmp_path / "run" / OUTPUT_DIR)).to_dict() == saved.to_dict()
+    other_run = _rr_trainer(str(tmp_path / "other"))  # a new directory draws anew (so the test can fail)
+    assert other_run.train_dataset.to_dict() != first.train_dataset.to_dict()
+    with pytest.raises(ValueError, match="labels privatized from other data"):
+        _rr_trainer(str(tmp_path / "run"), text_preference_dataset(n_users=8, pairs_per_user=3, seed=1))
+
+
+# -- a resume with privacy_seed continues the noise and the sampling, it never replays them (item 3) ---------
+SEEDED = dict(noise_multiplier=1.0, target_epsilon=None, privacy_seed=7, accountant="rdp")
+
+
+@pytest.fixture
+def noise_draws(monkeypatch):
+    from opacus.optimizers import optimizer as opacus_optimizer
+
+    real, draws = opacus_optimizer._generate_noise, []
+
+    def recording(*args, **kwargs):
+        noise = real(*args, **kwargs)
+        draws.append(noise.detach().clone())
+        return noise
+
+    monkeypatch.setattr(opacus_optimizer, "_generate_noise", recording)
+    return draws
+
+
+def _seeded_run(output_dir, resume=None):
+    tokenizer = tiny_tokenizer()
+    model = tiny_reward_model(tokenizer)
+    args = UserDPRewardConfig(output_dir=output_dir, max_steps=6, **{**COMMON, **SEEDED, "save_strategy": "steps",
+                                                                     "save_steps": 3})
+    trainer = UserDPRewardTrainer(model=model, args=args, processing_class=tokenizer,
+                                  train_dataset=text_preference_dataset(n_users=8, pairs_per_user=3))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_a_resumed_seeded_run_draws_new_noise_and_continues_the_uninterrupted_run(tmp_path, noise_draws):
+    straight = _seeded_run(str(tmp_path / "run"))
+    per_step = len(noise_draws) // 6
+    steps = [noise_draws[i * per_step:(i + 1) * per_step] for i in range(6)]
+    noise_draws.clear()
+    resumed = _seeded_run(str(tmp_path / "run"), resume=str(tmp_path / "run" / "checkpoint-3"))
+    again = [noise_draws[i * per_step:(i + 1) * per_step] for i in range(3)]
+    assert len(noise_draws) == 3 * per_step
+    for k, draw in enumerate(again, start=4):
+        for earlier in steps[:3]:  # never a replay of steps 1-3 ...
+            assert not any(torch.equal(a, b) for a, b in zip(draw, earlier)), f"step {k} replays an earlier step"
+        assert all(torch.equal(a, b) for a, b in zip(draw, steps[k - 1]))  # ... but exactly steps 4-6
+    for a, b in zip(resumed.model.parameters(), straight.model.parameters()):  # same users sampled too
+        assert torch.allclose(a, b, atol=1e-6)
+    assert resumed.privacy_engine.accountant.steps_taken == 6
+
+
+# -- hostile and tampered checkpoints (items 4, 5) ------------------------------------------------------------
+class _Payload:
+    """Unpickling this writes a file: the stand-in for code planted in a checkpoint."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _checkpoint(tmp_path, **config):
+    reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path / "run"), steps=3, save_strategy="steps",
+                  save_steps=3, **{"accountant": "rdp", **config})
+    return str(tmp_path / "run" / "checkpoint-3")
+
+
+def _resume(tmp_path, checkpoint, **config):
+    tokenizer = tiny_tokenizer()
+    args = UserDPRewardConfig(output_dir=str(tmp_path / "run"), max_steps=6,
+                              **{**COMMON, "accountant": "rdp", **config})
+    trainer = UserDPRewardTrainer(model=tiny_reward_model(tokenizer), args=args, processing_class=tokenizer,
+                                  train_dataset=text_preference_dataset(n_users=8, pairs_per_user=3))
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return trainer
+
+
+def test_a_planted_payload_in_the_privacy_state_never_runs(tmp_path):
+    checkpoint = _checkpoint(tmp_path)
+    marker = str(tmp_path / "payload_ran")
+    torch.save({"accountant": _Payload(marker)}, os.path.join(checkpoint, "privacy_state.pt"))
+    with pytest.raises(ValueError, match="more than plain data"):
+        _resume(tmp_path, checkpoint)
+    assert not os.path.exists(marker)
+
+
+def test_opacus_style_engine_checkpoints_load_as_data_only(tmp_path):
+    import trl_userdp
+
+    from ..test_privacy_engine import _private_linear
+
+    engine, model, optimizer, _ = _private_linear(noise_multiplier=1.0, max_samples_per_user=10, users_per_batch=6)
+    path = str(tmp_path / "ckpt.pt")
+    marker = str(tmp_path / "payload_ran")
+    torch.save({"module_state_dict": model.state_dict(), "privacy_accountant_state_dict": _Payload(marker)}, path)
+    with pytest.raises(ValueError, match="more than plain data"):
+        trl_userdp.PrivacyEngine().load_checkpoint(path=path, module=model)
+    assert not os.path.exists(marker)
+    with pytest.raises(ValueError, match="weights_only=True only"):
+        trl_userdp.PrivacyEngine().load_checkpoint(path=path, module=model, torch_load_kwargs={"weights_only": False})
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda s: s["accountant"].update(history=[]), "holds 0 steps, but the checkpoint is at step 3"),
+    (lambda s: s["accountant"].update(history=[(0.5, 0.5, 3)]), "σ=0.5"),
+    (lambda s: s["accountant"].update(relation="replace"), "not this run's"),
+])
+def test_a_tampered_accountant_is_refused_with_the_numbers(tmp_path, edit, match):
+    checkpoint = _checkpoint(tmp_path, noise_multiplier=2.0, target_epsilon=None)
+    path = os.path.join(checkpoint, "privacy_state.pt")
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=match):
+        _resume(tmp_path, checkpoint, noise_multiplier=2.0, target_epsilon=None)
+
+
+def test_an_untampered_checkpoint_resumes(tmp_path):
+    checkpoint = _checkpoint(tmp_path, noise_multiplier=2.0, target_epsilon=None)
+    assert _resume(tmp_path, checkpoint, noise_multiplier=2.0, target_epsilon=None).privacy_engine.accountant.steps_taken == 6
+
+
+# -- what save_model writes holds no secret (item 6) -----------------------------------------------------------
+def test_the_saved_model_folder_holds_no_secret_or_per_user_count(tmp_path):
+    from .test_mechanisms import MECHANISMS
+
+    aup = MECHANISMS["aup"]
+    seed = 918273645
+    trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), steps=2, privacy_mechanism="aup",
+                            privacy_seed=seed, save_strategy="steps", save_steps=2,
+                            dataset=text_preference_dataset(n_users=40, pairs_per_user=1),
+                            **{k: v for k, v in aup.items() if k != "dataset"})
+    threshold = trainer.privacy_engine.optimizer.svt.noisy_threshold
+    assert threshold is not None
+    files = [f for f in os.listdir(tmp_path) if os.path.isfile(tmp_path / f)]
+    assert "privacy_state.pt" not in files and "privacy_report.json" in files
+    for name in files:
+        raw = (tmp_path / name).read_bytes()
+        assert repr(threshold).encode() not in raw and str(seed).encode() not in raw, name
+    report = PrivacyReport.load(str(tmp_path))
+    assert "rows_dropped" not in report.to_dict() and "noisy_threshold" not in report.to_json()
+    saved_args = torch.load(tmp_path / "training_args.bin", weights_only=False)  # our own file, written just now
+    assert saved_args.privacy_seed is None and trainer.args.privacy_seed == seed  # the run keeps its seed
+    assert str(seed) not in trainer.args.to_json_string()
+    # the checkpoint keeps the threshold it needs to resume (named a checkpoint-only secret in the README)
+    state = torch.load(tmp_path / "checkpoint-2" / "privacy_state.pt", weights_only=True)
+    assert state["svt"]["noisy_threshold"] == threshold
+
+
+# -- smaller ones (item 8) ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("trainer_cls,config_cls", [(UserDPRewardTrainer, UserDPRewardConfig),
+                                                    (UserDPDPOTrainer, UserDPDPOConfig)])
+@pytest.mark.parametrize("dataset,match", [
+    (Dataset.from_dict({"prompt": [], "chosen": [], "rejected": [], "user_id": []}), "train_dataset is empty"),
+    (text_preference_dataset().to_iterable_dataset(), "map-style train_dataset"),
+])
+def test_datasets_user_sampling_cannot_use_fail_in_one_line(tmp_path, trainer_cls, config_cls, dataset, match):
+    tokenizer = tiny_tokenizer()
+    args = config_cls(output_dir=str(tmp_path), max_steps=1, **COMMON)
+    with pytest.raises(ValueError, match=match):
+        trainer_cls(model=tiny_reward_model(tokenizer) if trainer_cls is UserDPRewardTrainer else tiny_llama_lm(len(tokenizer)),
+                    args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def test_users_per_batch_zero_is_refused_not_replaced(tmp_path):
+    with pytest.raises(ValueError, match="users_per_batch must be a finite number > 0"):
+        UserDPRewardConfig(output_dir=str(tmp_path), users_per_batch=0.0, **COMMON)
+
+
+def test_a_numpy_budget_is_accepted(tmp_path):
+    import numpy as np
+
+    args = UserDPRewardConfig(output_dir=str(tmp_path), target_epsilon=np.float32(3.0), **COMMON)
+    assert args.target_epsilon == 3.0
+
+
+def test_a_large_delta_warns(tmp_path):
+    with pytest.warns(UserWarning, match="not below 1/n_users"):
+        reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), steps=1, target_delta=0.2, accountant="rdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        from trl_userdp.validators import warn_if_delta_is_large
+
+        warn_if_delta_is_large(1e-5, 8)

@@ -1,0 +1,21 @@
+"""Loading saved privacy state safely: a checkpoint is data, never code (docs/privacy_model.md, "Checkpoints")."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+
+
+def load_plain(path: Any, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors, numbers, strings and containers only. A file that
+    needs anything else (a pickled object, a planted payload) is refused before any of it runs."""
+    if kwargs.pop("weights_only", True) is not True:
+        raise ValueError("Privacy state is loaded with weights_only=True only.")
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path} holds more than plain data (tensors, numbers, strings, containers), so it is not "
+                         f"loaded: a checkpoint must never run code ({first}).") from None

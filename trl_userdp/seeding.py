@@ -1,0 +1,19 @@
+"""Seeds of the privacy randomness, derived one way: a run seed, the stream's purpose and its position.
+
+With a seed (``privacy_seed`` in the trainers, ``noise_seed`` in the engines) the draws of step t come from
+``derive_seed(seed, stream, t)``, so a run resumed at step k draws steps k+1, k+2, ... exactly as the
+uninterrupted run would, and never replays the draws of steps 1…k (docs/privacy_model.md, "Faults")."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+def derive_seed(seed: int, stream: str, *position: int) -> int:
+    """A 63-bit seed for ``stream`` (``"noise"``, ``"aup"``, …) at ``position`` (e.g. the step) of the run
+    seeded with ``seed``: independent across streams and positions (NumPy's ``SeedSequence``)."""
+    key = int.from_bytes(hashlib.sha256(stream.encode()).digest()[:4], "little")
+    words = np.random.SeedSequence([int(seed), key, *(int(i) for i in position)]).generate_state(1, np.uint64)
+    return int(words[0] >> np.uint64(1))
