@@ -1,4 +1,4 @@
-"""Loading saved privacy state safely: a checkpoint is data, never code (docs/privacy_model.md, "Checkpoints")."""
+"""Loading saved privacy state safely: a checkpoint is data, never code (docs/privacy_model.md, "Faults")."""
 
 from __future__ import annotations
 
