@@ -4,7 +4,7 @@
 estimators on randomized-response labels (the exact de-biased MLE θ̂_RR and one-pass SGD-RR with
 the proof's step schedule); the central estimator (exact objective perturbation, Alg. 2).
 
-Choices (the paper's open points, digest §4.1): d = 5; n ∈ {1000, 2000, 4000, 6000, 8000, 10000};
+Choices (the paper's open points, docs/mechanisms.md, Notes on the papers): d = 5; n ∈ {1000, 2000, 4000, 6000, 8000, 10000};
 ε ∈ {0.1, 0.5, 1}; δ = 1e-3 (objective perturbation). Each repetition draws θ* ~ N(0, I_d),
 centred (⟨1, θ⟩ = 0) and scaled to ‖θ*‖ = B = 1; φ ~ N(0, I_d/d) clipped to ‖φ‖ ≤ L = 1 and
 x = φ(a¹) − φ(a⁰); labels from the BTL model. All estimators share a repetition's data; RR flips

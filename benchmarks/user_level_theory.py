@@ -59,7 +59,7 @@ from trl_userdp.optimizers.aup_optimizer import pairwise_distances  # noqa: E402
 ESTIMATORS = ("non-private MLE", "user RR + de-biased MLE", "group DP-SGD", "user-wise DP-SGD", "AUP (Thm 4 τ, η)",
               "AUP (public τ)", "objective perturbation")
 D, DELTA, STEPS, LR, C = 5, 1e-5, 100, 0.5, 1.0
-#: every ε here is under the papers' neighbouring relation, "replace one user's labels" (SPEC §1): user RR
+#: every ε here is under the papers' neighbouring relation, "replace one user's labels" (docs/privacy_model.md): user RR
 #: and objective perturbation are ε-DP under it as defined; the DP-SGD family is calibrated to it by
 #: dp-accounting's PLD (add/remove-calibrated σ would give them about 2ε under replacement)
 RELATION = "replace"

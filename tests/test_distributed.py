@@ -1,5 +1,5 @@
 """User-wise DP-SGD across two data-parallel processes (gloo on CPU): the same update as one process,
-one noise draw (not one per rank), identical replicas and accounting (SPEC §2 M1)."""
+one noise draw (not one per rank), identical replicas and accounting (docs/mechanisms.md, M1)."""
 
 import datetime
 import os

@@ -1,4 +1,4 @@
-"""Label-privacy losses (SPEC §3, issue 4)."""
+"""Label-privacy losses (docs/mechanisms.md, Losses, issue 4)."""
 
 import math
 

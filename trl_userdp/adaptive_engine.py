@@ -1,11 +1,11 @@
 """``AdaptiveUserPrivacyEngine``: AUP-RLHF (Zhang et al., Alg. 1–3) for any PyTorch model, in the
-calling style of :meth:`trl_userdp.PrivacyEngine.make_private_user_level` (SPEC §2 M4).
+calling style of :meth:`trl_userdp.PrivacyEngine.make_private_user_level` (docs/mechanisms.md, M4).
 
 Privacy: AboveThreshold spends ``ε_svt = svt_fraction·ε`` (pure, for the whole run, once any query
 is made); the Gaussian steps are calibrated to ``(ε − ε_svt, δ/2)`` as T truncated-Poisson
 subsampled Gaussian steps (dp-accounting PLD) — AUP-RLHF Alg. 2 line 2 with PrivacyAccount; the
 total is their sum (basic composition, Thm 3). Users are sampled with ``q = ñ/n`` and each step is
-truncated to ``ñ_max`` users, which bounds the concentration score's sensitivity (SPEC §2 M4).
+truncated to ``ñ_max`` users, which bounds the concentration score's sensitivity (docs/mechanisms.md, M4).
 Alg. 1's ``k`` phases run Alg. 2 on disjoint user sets one after another (parallel composition).
 """
 
@@ -289,7 +289,7 @@ def propose_concentration_radius_private(
     parameters; AboveThreshold (AUP-RLHF Alg. 3) then walks the increasing ``radii`` and returns the
     first whose concentration score ``(1/ñ)·#{(i, i'): ‖g_i − g_i'‖ ≤ τ}`` clears
     ``threshold_fraction·ñ`` (above AUP's own test at 4ñ/5, so its first queries are likely to pass).
-    Adding, removing or replacing a user changes the count by at most ``2ñ_max − 1`` (SPEC §2 M4), so
+    Adding, removing or replacing a user changes the count by at most ``2ñ_max − 1`` (docs/mechanisms.md, M4), so
     each query has sensitivity ``(2ñ_max − 1)/ñ``; the whole walk is ``epsilon``-DP (pure), whatever
     the number of radii, and is spent even when no radius passes (then it raises).
     """

@@ -68,7 +68,7 @@ def _walkthrough_rows(args: AccountArguments, progress: Callable) -> List[Dict[s
 
 
 def account(args: AccountArguments) -> int:
-    """Print σ for each target ε and each mechanism in a user-level setting (SPEC §2, §4)."""
+    """Print σ for each target ε and each mechanism in a user-level setting (docs/mechanisms.md)."""
     from tqdm.auto import tqdm
 
     check_max_samples_per_user(args.max_samples_per_user)

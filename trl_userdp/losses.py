@@ -1,4 +1,4 @@
-"""Losses for labels privatized by randomized response (SPEC §3).
+"""Losses for labels privatized by randomized response (docs/mechanisms.md, Losses).
 
 All take margins in the *observed* orientation: ``z = r(chosen) − r(rejected)`` for a reward model,
 or the DPO implicit-reward margin ``β·Δ``, where "chosen" is the response the (privatized) label

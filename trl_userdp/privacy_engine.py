@@ -1,6 +1,6 @@
 """``trl_userdp.PrivacyEngine``: Opacus's ``PrivacyEngine`` with ``make_private_user_level``.
 
-Mechanisms (SPEC §2):
+Mechanisms (docs/mechanisms.md):
 
 * ``"user_dpsgd"`` (M1): users are Poisson-sampled with ``q = users_per_batch / n_users``; each
   user's averaged gradient is clipped to C; noise ``N(0, σ²C²)``; division by ``users_per_batch``.

@@ -1,4 +1,4 @@
-"""Per-user gradients from the hooks equal a per-user autograd loop (SPEC §2 M1, issue 3)."""
+"""Per-user gradients from the hooks equal a per-user autograd loop (docs/mechanisms.md, M1, issue 3)."""
 
 import pytest
 import torch

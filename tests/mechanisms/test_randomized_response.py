@@ -1,4 +1,4 @@
-"""User-level randomized response (SPEC §2 M3, issue 4)."""
+"""User-level randomized response (docs/mechanisms.md, M3, issue 4)."""
 
 import math
 

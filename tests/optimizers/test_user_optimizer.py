@@ -1,4 +1,4 @@
-"""UserDPOptimizer: exactness, the per-user bound, the noise level (SPEC §2 M1, issue 3)."""
+"""UserDPOptimizer: exactness, the per-user bound, the noise level (docs/mechanisms.md, M1, issue 3)."""
 
 import pytest
 import torch

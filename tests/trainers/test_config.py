@@ -1,5 +1,5 @@
 """Unsafe settings are rejected before training, or overridden with a warning where the safe value is
-unambiguous (issue 6, SPEC §6)."""
+unambiguous (issue 6, docs/stack_findings.md)."""
 
 import copy
 import logging

@@ -1,4 +1,4 @@
-"""Privacy accounting through dp-accounting (SPEC §4)."""
+"""Privacy accounting through dp-accounting (docs/mechanisms.md, Accounting)."""
 
 from .accountant import DPAccountingAccountant, DPPldAccountant, DPRdpAccountant
 from .analysis import (

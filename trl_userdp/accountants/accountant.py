@@ -8,8 +8,8 @@ registered with Opacus under ``"dp_rdp"`` and ``"dp_pld"``::
 
 With ``group_size=m`` the history is read as item-level DP-SGD steps (records sampled at rate q,
 each clipped) and the reported ε is the user-level guarantee for users of at most ``m`` records:
-through group privacy, or with ``els=True`` through ELS accounting (SPEC §2 M2). With
-``truncation=(n_users, max_users)`` steps are truncated-Poisson-sampled (AUP-RLHF, SPEC §2 M4).
+through group privacy, or with ``els=True`` through ELS accounting (docs/mechanisms.md, M2). With
+``truncation=(n_users, max_users)`` steps are truncated-Poisson-sampled (AUP-RLHF, docs/mechanisms.md, M4).
 """
 
 from __future__ import annotations

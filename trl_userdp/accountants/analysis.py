@@ -1,5 +1,5 @@
 """ε ↔ σ through dp-accounting: accountant construction, ε of an event, σ calibration,
-group-privacy conversion (SPEC §2 M2) and the AUP-RLHF composition (SPEC §2 M4).
+group-privacy conversion (docs/mechanisms.md, M2) and the AUP-RLHF composition (docs/mechanisms.md, M4).
 
 Accountant kinds: ``"rdp"`` (dp-accounting ``RdpAccountant`` on :data:`RDP_ORDERS`) and ``"pld"``
 (dp-accounting ``PLDAccountant``).
@@ -61,7 +61,7 @@ def neighboring_relation(name: str) -> dpa.NeighboringRelation:
 
 class GroupPrivacyAccountant(dpa.PrivacyAccountant):
     """Wraps an item-level dp-accounting accountant and reports the user-level guarantee that
-    group privacy gives for groups of ``group_size`` records (SPEC §2 M2, Chua et al. 2024):
+    group privacy gives for groups of ``group_size`` records (docs/mechanisms.md, M2, Chua et al. 2024):
     an item-level ``(ε₀, δ₀)`` guarantee implies ``(m·ε₀, m·e^{(m−1)ε₀}·δ₀)`` for a group of m.
     """
 

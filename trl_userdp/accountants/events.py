@@ -1,4 +1,4 @@
-"""dp-accounting events for the user-level mechanisms of SPEC §2.
+"""dp-accounting events for the user-level mechanisms of docs/mechanisms.md.
 
 Every privacy figure in this package comes from composing one of these events in a
 dp-accounting ``PrivacyAccountant`` (RDP or PLD); nothing here computes ε itself.
@@ -38,7 +38,7 @@ def poisson_gaussian_event(noise_multiplier: float, sample_rate: float, steps: i
 def truncated_poisson_gaussian_event(
     noise_multiplier: float, sample_rate: float, steps: int, n_users: int, max_users_per_batch: int
 ) -> dpa.DpEvent:
-    """``T`` steps of truncated Poisson sampling + Gaussian (SPEC §2 M4: AUP caps a step at
+    """``T`` steps of truncated Poisson sampling + Gaussian (docs/mechanisms.md, M4: AUP caps a step at
     ``ñ_max`` users). Only dp-accounting's PLD accountant supports this event."""
     check_noise_multiplier(noise_multiplier)
     check_sample_rate(sample_rate)
@@ -84,7 +84,7 @@ def els_event(
 
 def randomized_response_noise_parameter(epsilon_per_label: float, num_choices: int = 2) -> float:
     """dp-accounting's RR noise parameter ``p`` (replace by a uniform draw with probability p)
-    that keeps a label with probability ``e^ε'/(e^ε' + K − 1)`` (SPEC §2 M3)."""
+    that keeps a label with probability ``e^ε'/(e^ε' + K − 1)`` (docs/mechanisms.md, M3)."""
     check_epsilon(epsilon_per_label, "epsilon_per_label")
     if num_choices < 2:
         raise ValueError(f"num_choices must be >= 2, got {num_choices}.")

@@ -1,4 +1,4 @@
-"""The privacy report saved with every checkpoint and model (SPEC §4)."""
+"""The privacy report saved with every checkpoint and model (docs/mechanisms.md, Accounting)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """User-level data pipeline: user ids, contribution bounding, Poisson sampling over users,
-collation that keeps each row's user (SPEC §1)."""
+collation that keeps each row's user (docs/privacy_model.md)."""
 
 from .bounding import BoundingReport, UserSubset, bound_contributions
 from .collate import UserBatch, UserCollator, UserTaggedDataset, empty_like

@@ -1,4 +1,4 @@
-"""Contribution bounding (SPEC §1): each user keeps at most ``m`` rows, chosen once, before training,
+"""Contribution bounding (docs/privacy_model.md): each user keeps at most ``m`` rows, chosen once, before training,
 by a seeded uniform draw. Without this bound no user-level guarantee holds."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The disjoint user phases of AUP-RLHF's Alg. 1 (Zhang et al.; SPEC §2 M4).
+"""The disjoint user phases of AUP-RLHF's Alg. 1 (Zhang et al.; docs/mechanisms.md, M4).
 
 Phase ``i`` of ``k`` holds a share ``2^{−(k+1−i)}`` of the users (``phase_users="paper"``: Alg. 1 as
 written, which leaves ``2^{−k}`` of them unused — half at ``k = 1``) or that geometric split rescaled

@@ -1,4 +1,4 @@
-"""User-level Poisson sampling (SPEC §1): each user joins a step independently with probability
+"""User-level Poisson sampling (docs/privacy_model.md): each user joins a step independently with probability
 ``q = users_per_batch / n_users`` and brings all its rows (or ``k`` of them, AUP-RLHF Alg. 4).
 Empty steps are yielded, not skipped: the accountant counts them and the optimizer adds noise."""
 
@@ -24,7 +24,7 @@ class UserPoissonSampler(Sampler[List[int]]):
         steps: steps per pass over the loader; default ``round(1/q)`` (one epoch in expectation,
             as Opacus's ``DPDataLoader``).
         max_users_per_batch: truncated Poisson sampling: if more users are drawn, keep a uniform
-            subset of this size (AUP-RLHF needs a bounded step; SPEC §2 M4).
+            subset of this size (AUP-RLHF needs a bounded step; docs/mechanisms.md, M4).
         samples_per_user: draw ``k`` of a sampled user's rows per step instead of all of them.
         seed / generator: source of randomness; by default seeded from the OS, so nobody can replay
             the draws (a seed makes experiments reproducible, and is required with ``num_replicas > 1``

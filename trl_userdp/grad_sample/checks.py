@@ -1,5 +1,5 @@
 """Model checks that run before training: settings under which per-sample gradients would be
-missing or wrong must fail here, with the fix in the message (SPEC §6)."""
+missing or wrong must fail here, with the fix in the message (docs/stack_findings.md)."""
 
 from __future__ import annotations
 

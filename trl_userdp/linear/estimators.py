@@ -96,7 +96,7 @@ def sgd_rr(
     sum_zero: bool = True,
 ) -> np.ndarray:
     """θ̂_SGD-RR (Chowdhury et al. Alg. 1): one pass, projected, last iterate, with the proof's step
-    ``η_t = 1/(γ(2σ(ε) − 1)κ t)`` for the [A]-scaled gradient (digest §2.5; the theorem's printed
+    ``η_t = 1/(γ(2σ(ε) − 1)κ t)`` for the [A]-scaled gradient (docs/mechanisms.md, Notes on the papers; the theorem's printed
     ``1/(γκ)`` drops the 1/t). ``kappa`` defaults to λ_min of the sample covariance of x (public)."""
     check_epsilon(epsilon, "epsilon")
     s = 1.0 - flip_rate_from_epsilon(epsilon)

@@ -150,7 +150,7 @@ def aup_rlhf(
     svt_fraction: float = 0.5, phases: int = 1, phase_users: str = "all", relation: str = "add_or_remove",
 ) -> SGDResult:
     """AUP-RLHF (Alg. 1 with k = ``phases`` over disjoint user sets; Alg. 2 in each), with the same
-    mechanism as :class:`~trl_userdp.optimizers.AUPOptimizer` (SPEC §2 M4's sensitivity correction,
+    mechanism as :class:`~trl_userdp.optimizers.AUPOptimizer` (the sensitivity correction of docs/mechanisms.md, M4,
     truncated Poisson sampling). ``tau`` and ``lr`` default to Thm 4's choices.
     ``phase_users`` as in :func:`trl_userdp.data.phases.phase_shares` (``"paper"``: phase i has
     n/2^{k+1−i} users, half of them unused at k = 1; ``"all"``: rescaled to use every user); here the

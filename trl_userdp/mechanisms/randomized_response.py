@@ -1,4 +1,4 @@
-"""User-level randomized response (SPEC §2 M3; AUP-RLHF §4.1; Chowdhury et al. 2024).
+"""User-level randomized response (docs/mechanisms.md, M3; AUP-RLHF §4.1; Chowdhury et al. 2024).
 
 Each user's labels (at most ``m`` after contribution bounding) are each randomized once with
 ``ε' = ε/m``, so the user's m labels together are ε-DP by basic composition — pure ε, δ = 0, under

@@ -1,5 +1,5 @@
 """``AUPOptimizer``: the private mean oracle of AUP-RLHF (Zhang et al., Alg. 2 steps 8–16;
-Liu & Asi 2024) in place of clipping, with SPEC §2 M4's sensitivity correction.
+Liu & Asi 2024) in place of clipping, with the sensitivity correction of docs/mechanisms.md, M4.
 
 Per step, on the per-user averaged gradients ``g_i`` of the sampled users ``U_t``:
 

@@ -1,4 +1,4 @@
-"""``UserDPOptimizer``: Opacus's ``DPOptimizer`` on per-user averaged gradients (SPEC §2 M1).
+"""``UserDPOptimizer``: Opacus's ``DPOptimizer`` on per-user averaged gradients (docs/mechanisms.md, M1).
 
 Per step: ``g_u`` = each unit's average row gradient (from :class:`UserGradSampleHooks`), clipped to
 ``C`` by Opacus's own ``clip_and_accumulate``, summed, plus ``N(0, σ²C²)``, divided by the

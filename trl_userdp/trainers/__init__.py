@@ -1,4 +1,4 @@
-"""TRL trainer subclasses with user-level differential privacy (SPEC §5)."""
+"""TRL trainer subclasses with user-level differential privacy (README, TRL trainers)."""
 
 from .dpo_config import UserDPDPOConfig
 from .dpo_trainer import UserDPDPOTrainer, unfuse_lm_head

@@ -11,4 +11,4 @@ from .privacy_config import UserDPArguments
 
 @dataclasses.dataclass
 class UserDPDPOConfig(UserDPArguments, DPOConfig):
-    """``DPOConfig`` with the fields of :class:`UserDPArguments` (SPEC §5)."""
+    """``DPOConfig`` with the fields of :class:`UserDPArguments` (README, TRL trainers)."""

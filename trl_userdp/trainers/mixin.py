@@ -1,4 +1,4 @@
-"""What the user-level DP trainers share (SPEC §5, §6): one mixin placed before the TRL trainer.
+"""What the user-level DP trainers share (README; docs/stack_findings.md): one mixin placed before the TRL trainer.
 
 * ``randomized_response``: labels privatized once before TRL's preprocessing; the trainer's loss
   becomes the de-biased one (set by each trainer).

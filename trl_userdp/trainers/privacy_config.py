@@ -1,4 +1,4 @@
-"""Privacy fields shared by the trainer configs (SPEC §5), as a dataclass mixed into TRL's configs."""
+"""Privacy fields shared by the trainer configs (README, TRL trainers), as a dataclass mixed into TRL's configs."""
 
 from __future__ import annotations
 

@@ -11,4 +11,4 @@ from .privacy_config import UserDPArguments
 
 @dataclasses.dataclass
 class UserDPRewardConfig(UserDPArguments, RewardConfig):
-    """``RewardConfig`` with the fields of :class:`UserDPArguments` (SPEC §5)."""
+    """``RewardConfig`` with the fields of :class:`UserDPArguments` (README, TRL trainers)."""
