@@ -38,11 +38,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results  # noqa: E402
-from trl_userdp.accountants import (  # noqa: E402
-    calibrate_noise_multiplier,
-    poisson_gaussian_event,
-    truncated_poisson_gaussian_event,
-)
+from trl_userdp.accountants import calibrate_noise_multiplier, poisson_gaussian_event  # noqa: E402
 from trl_userdp.linear import (  # noqa: E402
     aup_rlhf,
     generate_btl_data,
@@ -54,7 +50,8 @@ from trl_userdp.linear import (  # noqa: E402
     user_objective_perturbation,
     user_rr_mle,
 )
-from trl_userdp.optimizers.aup_optimizer import pairwise_distances  # noqa: E402
+from trl_userdp.mechanisms import aup  # noqa: E402
+from trl_userdp.mechanisms.aup import pairwise_distances  # noqa: E402
 
 ESTIMATORS = ("non-private MLE", "user RR + de-biased MLE", "group DP-SGD", "user-wise DP-SGD", "AUP (Thm 4 τ, η)",
               "AUP (public τ)", "objective perturbation")
@@ -109,20 +106,19 @@ def noise_table(ms: Sequence[int], epsilons: Sequence[float], total_pairs: int =
             n, n_tilde = total_pairs // m, pairs_per_step / m
             q = n_tilde / n
             steps = int(round(epochs / q))
-            n_max = int(math.ceil(n_tilde + 4 * math.sqrt(n_tilde)))
+            n_max = aup.default_max_users_per_batch(n_tilde)
             sigma_user = calibrate_noise_multiplier(lambda s: poisson_gaussian_event(s, q, steps), target_epsilon=eps,
                                                     target_delta=DELTA, accountant="pld", relation=RELATION, tol=1e-3)
-            sigma_aup = calibrate_noise_multiplier(
-                lambda s: truncated_poisson_gaussian_event(s, q, steps, n, n_max), target_epsilon=eps / 2,
-                target_delta=DELTA / 2, accountant="pld", relation=RELATION, value_discretization_interval=1e-3,
-                tol=1e-3)
+            _, eps_gauss, delta_gauss = aup.split_budget(eps, DELTA, svt_fraction=0.5)
+            sigma_aup = aup.gaussian_noise_multiplier(eps_gauss, delta_gauss, sample_rate=q, steps=steps, n_users=n,
+                                                      max_users_per_batch=n_max, relation=RELATION, tol=1e-3)
             tau = C / math.sqrt(m)
             # Poisson fluctuation alone: score ≈ |U|²/ñ must stay ≥ 4ñ/5, i.e. |U| ≥ √0.8·ñ
-            p_step = stats.poisson.sf(math.ceil(math.sqrt(0.8) * n_tilde) - 1, n_tilde)
+            p_step = stats.poisson.sf(math.ceil(math.sqrt(aup.SCORE_THRESHOLD_FRACTION) * n_tilde) - 1, n_tilde)
             rows.append({
                 "epsilon": eps, "m": m, "n": n, "users_per_step": n_tilde, "steps": steps,
                 "user_wise": sigma_user * C / n_tilde,
-                "aup": tau * sigma_aup * math.sqrt(8 * (eps + math.log(steps / DELTA))) / n_tilde,
+                "aup": aup.noise_std(tau, sigma_aup, eps, steps, DELTA, n_tilde),
                 "aup_survives_T": float(p_step ** steps),
             })
     return rows

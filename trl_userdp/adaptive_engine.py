@@ -25,13 +25,11 @@ from .accountants import DPAccountingAccountant, PrivacyReport
 from .data import DEFAULT_USER_COLUMN, PhasedUserDataLoader, UserDataLoader, bound_contributions, resolve_user_ids
 from .data.phases import assign_phases, phase_datasets, phase_shares
 from .grad_sample import UserGradSampleHooks
-from .optimizers.aup_optimizer import AboveThreshold, AUPOptimizer, pairwise_distances
+from .mechanisms import aup
+from .mechanisms.aup import default_max_users_per_batch, pairwise_distances
+from .optimizers.aup_optimizer import AUPOptimizer
 from .privacy_engine import PrivacyEngine
 from .validators import check_positive, check_steps, warn_if_delta_is_large
-
-def default_max_users_per_batch(users_per_batch: float) -> int:
-    """ñ + 4√ñ, rounded up: Poisson(ñ) exceeds it with probability below about 1e-4 per step."""
-    return int(math.ceil(users_per_batch + 4 * math.sqrt(users_per_batch)))
 
 
 class AdaptiveUserPrivacyEngine(PrivacyEngine):
@@ -101,10 +99,11 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         """
         check_positive(concentration_radius, "concentration_radius")
         self._check_target(target_epsilon, target_delta, epochs, steps)
-        if not 0 < svt_fraction < 1:
-            raise ValueError(f"svt_fraction must lie in (0, 1), got {svt_fraction}.")
         if not 0 <= radius_epsilon < target_epsilon:
             raise ValueError(f"radius_epsilon must lie in [0, target_epsilon={target_epsilon}), got {radius_epsilon}.")
+        self.radius_epsilon = float(radius_epsilon)
+        run_epsilon = target_epsilon - self.radius_epsilon
+        self.svt_epsilon, *gaussian_budget = aup.split_budget(run_epsilon, target_delta, svt_fraction)
         shares = phase_shares(phases, phase_users)
         if phases > 1 and user_key is not None:
             raise ValueError("phases > 1 needs a loop that steps each batch before fetching the next; "
@@ -128,10 +127,6 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
                 f"{users_per_batch} users; use fewer phases, phase_users='all' or a smaller users_per_batch."
             )
         used = int(sizes.sum())
-        self.radius_epsilon = float(radius_epsilon)
-        run_epsilon = target_epsilon - self.radius_epsilon
-        self.svt_epsilon = svt_fraction * run_epsilon
-        gaussian_budget = (run_epsilon - self.svt_epsilon, target_delta / 2)
         loaders = []
         for i, dataset in enumerate(phase_datasets(bounded, index, phase_of_user, phases)):
             q = users_per_batch / int(sizes[i])
@@ -146,11 +141,13 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             self._install_accountant(q, truncation=(int(sizes[i]), n_max))
             self.phase_accountants.append(self.accountant)
             self.phase_steps.append(t)
-            self.phase_noise_multipliers.append(self._calibrate(*gaussian_budget, q, t))
+            self.phase_noise_multipliers.append(aup.gaussian_noise_multiplier(
+                *gaussian_budget, sample_rate=q, steps=t, n_users=int(sizes[i]), max_users_per_batch=n_max,
+                relation=self.accountant.relation))
         self._calibrated = True
         self.accountant = self.phase_accountants[0]
         hooks = self._attach_hooks(module, grad_sample_mode)
-        aup = AUPOptimizer(
+        dp_optimizer = AUPOptimizer(
             optimizer,
             noise_multiplier=self.phase_noise_multipliers[0],
             concentration_radius=concentration_radius,
@@ -176,10 +173,10 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             per_iteration = sum(self.phase_steps) if epochs is None else math.ceil(sum(self.phase_steps) / epochs)
             loader = PhasedUserDataLoader(loaders, per_iteration)
             loader.add_phase_callback(self._start_phase)
-        loader.stop_when = lambda: aup.halted
-        self._finish(module, aup, loader, "aup", self.phase_steps[0], gaussian_budget)
-        aup.attach_step_hook(self._account_step)  # the current phase's accountant at the current rate
-        return module, aup, loader
+        loader.stop_when = lambda: dp_optimizer.halted
+        self._finish(module, dp_optimizer, loader, "aup", self.phase_steps[0], tuple(gaussian_budget))
+        dp_optimizer.attach_step_hook(self._account_step)  # the current phase's accountant at the current rate
+        return module, dp_optimizer, loader
 
     def steps_accounted(self) -> int:
         """Steps accounted over all phases."""
@@ -306,7 +303,7 @@ def propose_concentration_radius_private(
     if generator is None:
         generator = torch.Generator()
         generator.manual_seed(secrets.randbits(63))  # the Laplace noise must not be predictable
-    svt = AboveThreshold(threshold_fraction * n_tilde, epsilon, (2 * n_max - 1) / n_tilde, generator)
+    svt = aup.score_test(n_tilde, n_max, epsilon, generator, threshold_fraction=threshold_fraction)
     batch = next(iter(private_loader))
     grads = _user_gradients(model, loss_fn, batch, private_loader.last_row_users)
     dist = pairwise_distances(grads) if grads else torch.zeros(0, 0)

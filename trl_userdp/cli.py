@@ -33,9 +33,10 @@ def _walkthrough_rows(args: AccountArguments, progress: Callable) -> List[Dict[s
         compute_epsilon,
         els_event,
         poisson_gaussian_event,
-        randomized_response_noise_parameter,
     )
+    from .accountants.events import rr_move_probability
     from .accountants.accountant import COARSE_DISCRETIZATION  # the engine's ELS grid: coarser over-states σ
+    from .mechanisms import aup
 
     q = args.users_per_batch / args.n_users
     steps = check_steps(args.steps, None if args.steps is not None else args.epochs, q)
@@ -59,10 +60,11 @@ def _walkthrough_rows(args: AccountArguments, progress: Callable) -> List[Dict[s
         progress(f"ε={eps}: ELS")
         row["els_pld"] = calibrate_noise_multiplier(els, accountant="pld", value_discretization_interval=COARSE_DISCRETIZATION, **cal)
         progress(f"ε={eps}: AUP Gaussian half")
-        row["aup_half"] = calibrate_noise_multiplier(
-            user_event, accountant="pld", target_epsilon=eps / 2, target_delta=args.delta / 2, tol=1e-3
-        )
-        row["rr_flip"] = randomized_response_noise_parameter(eps / m) / 2
+        _, eps_gauss, delta_gauss = aup.split_budget(eps, args.delta, svt_fraction=0.5)
+        row["aup_half"] = aup.gaussian_noise_multiplier(  # what AdaptiveUserPrivacyEngine trains with
+            eps_gauss, delta_gauss, sample_rate=q, steps=steps, n_users=args.n_users,
+            max_users_per_batch=aup.default_max_users_per_batch(args.users_per_batch))
+        row["rr_flip"] = rr_move_probability(eps / m)
         rows.append(row)
     return rows
 
@@ -113,7 +115,8 @@ def account(args: AccountArguments) -> int:
         "\nuser-wise σ: noise multiplier of user-wise DP-SGD (clip each user's averaged gradient to C, noise σC).\n"
         "group σ: item-level DP-SGD whose (ε/m, δ/(m·e^{(m-1)ε/m})) guarantee gives (ε, δ) per user by group privacy.\n"
         "ELS σ: the same item-level DP-SGD accounted per user directly (Charles et al. 2024, mixture of Gaussians).\n"
-        "AUP σ: AUP-RLHF's PrivacyAccount(ε/2, δ/2); its noise variance per coordinate is 8τ²·log(e^ε·T/δ)·σ²/ñ².\n"
+        "AUP σ: AUP-RLHF's PrivacyAccount(ε/2, δ/2) over steps truncated to ñ + 4√ñ users (the engine's σ); its noise\n"
+        "  variance per coordinate is 8τ²·log(e^ε·T/δ)·σ²/ñ².\n"
         "RR flip: user-level randomized response flips each label with probability 1 − sigmoid(ε/m)."
     )
     return 0

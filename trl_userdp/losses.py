@@ -7,13 +7,13 @@ prefers. Each returns a reduced loss (``reduction="mean" | "sum" | "none"``).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .accountants.events import rr_keep_probability, rr_move_probability
 from .validators import check_epsilon
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -35,8 +35,7 @@ def _check_reduction(reduction: str) -> str:
 
 def flip_rate_from_epsilon(epsilon: float) -> float:
     """Binary randomized response at ε flips a label with probability ``1 − σ(ε) = σ(−ε)``."""
-    check_epsilon(epsilon, "epsilon")
-    return 1.0 / (1.0 + math.exp(epsilon)) if epsilon < 700 else 0.0
+    return rr_move_probability(epsilon, 2)
 
 
 class BTLLoss(nn.Module):
@@ -133,8 +132,8 @@ class PlackettLuceLoss(nn.Module):
         loss = -logp.gather(1, observed.long().view(-1, 1)).squeeze(1)
         if self.epsilon is not None:
             k = scores.shape[1]
-            e = math.exp(min(self.epsilon, 700.0))
-            loss = loss + logp.sum(dim=1) / (e + k - 1)
+            move, keep = rr_move_probability(self.epsilon, k), rr_keep_probability(self.epsilon, k)
+            loss = loss + logp.sum(dim=1) * move
             if self.normalize:
-                loss = loss * (e + k - 1) / (e - 1)
+                loss = loss / (keep - move)
         return _reduce(loss, self.reduction)

@@ -7,7 +7,8 @@ import torch
 from scipy import stats
 
 from trl_userdp.grad_sample import UserGradSampleHooks
-from trl_userdp.optimizers.aup_optimizer import AUPOptimizer, keep_probabilities, pairwise_distances
+from trl_userdp.mechanisms.aup import keep_probabilities, pairwise_distances
+from trl_userdp.optimizers.aup_optimizer import AUPOptimizer
 
 
 def _make(sigma=0.0, tau=1.0, n_tilde=10.0, n_max=20, svt_epsilon=1e6, seed=0):

@@ -83,12 +83,26 @@ def els_event(
 
 
 def randomized_response_noise_parameter(epsilon_per_label: float, num_choices: int = 2) -> float:
-    """dp-accounting's RR noise parameter ``p`` (replace by a uniform draw with probability p)
-    that keeps a label with probability ``e^ε'/(e^ε' + K − 1)`` (docs/mechanisms.md, M3)."""
+    """K-ary randomized response at ε' replaces a label by a uniform draw over the K values with probability
+    ``p = K/(e^ε' + K − 1)`` (dp-accounting's noise parameter): it keeps the label with probability
+    ``1 − p + p/K = e^ε'/(e^ε' + K − 1)`` and moves it to each other value with ``p/K``
+    (docs/mechanisms.md, M3). The one definition of RR's law: the mechanism, its losses, the linear estimators
+    and the accountant all derive from it."""
     check_epsilon(epsilon_per_label, "epsilon_per_label")
-    if num_choices < 2:
-        raise ValueError(f"num_choices must be >= 2, got {num_choices}.")
-    return num_choices / (math.exp(epsilon_per_label) + num_choices - 1)
+    if isinstance(num_choices, bool) or not isinstance(num_choices, int) or num_choices < 2:
+        raise ValueError(f"num_choices must be an integer >= 2, got {num_choices!r}.")
+    return num_choices / (math.exp(min(epsilon_per_label, 700.0)) + num_choices - 1)
+
+
+def rr_move_probability(epsilon_per_label: float, num_choices: int = 2) -> float:
+    """The probability ``1/(e^ε' + K − 1)`` of moving a label to one given other value (the binary flip rate
+    ``σ(−ε')`` at K = 2)."""
+    return randomized_response_noise_parameter(epsilon_per_label, num_choices) / num_choices
+
+
+def rr_keep_probability(epsilon_per_label: float, num_choices: int = 2) -> float:
+    """The probability ``e^ε'/(e^ε' + K − 1)`` of keeping a label."""
+    return 1 - (num_choices - 1) * rr_move_probability(epsilon_per_label, num_choices)
 
 
 def randomized_response_event(epsilon: float, max_samples_per_user: int, num_choices: int = 2) -> dpa.DpEvent:

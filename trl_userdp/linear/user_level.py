@@ -15,14 +15,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..accountants import (
-    calibrate_noise_multiplier,
-    poisson_gaussian_event,
-    truncated_poisson_gaussian_event,
-)
+from ..accountants import calibrate_noise_multiplier, poisson_gaussian_event
 from ..data.phases import phase_shares
-from ..mechanisms import UserRandomizedResponse
-from ..optimizers.aup_optimizer import AboveThreshold, keep_probabilities, pairwise_distances
+from ..mechanisms import UserRandomizedResponse, aup
+from ..mechanisms.aup import keep_probabilities, pairwise_distances
 from .btl import BTLData, project_theta
 from .estimators import _sigmoid, objective_perturbation, rr_debiased_mle
 
@@ -66,10 +62,8 @@ def _sigma_poisson(epsilon, delta, q, steps, group_size=None, relation="add_or_r
 
 @lru_cache(maxsize=256)
 def _sigma_truncated(epsilon, delta, q, steps, n_users, n_max, relation="add_or_remove") -> float:
-    return calibrate_noise_multiplier(
-        lambda s: truncated_poisson_gaussian_event(s, q, steps, n_users, n_max), target_epsilon=epsilon,
-        target_delta=delta, accountant="pld", relation=relation, value_discretization_interval=1e-3, tol=1e-3,
-    )
+    return aup.gaussian_noise_multiplier(epsilon, delta, sample_rate=q, steps=steps, n_users=n_users,
+                                         max_users_per_batch=n_max, relation=relation, tol=1e-3)
 
 
 @dataclasses.dataclass
@@ -183,14 +177,12 @@ def _aup_phase(theta, x, y, epsilon, delta, *, users_per_batch, steps, rng, B, L
     tau = theorem4_tau(L, n, d, m, epsilon, steps, delta) if tau is None else tau
     lr = theorem4_lr(L, B, n, d, m, epsilon, steps, delta) if lr is None else lr
     n_tilde = users_per_batch
-    n_max = max_users_per_batch or int(math.ceil(n_tilde + 4 * math.sqrt(n_tilde)))
-    n_max = min(n_max, n)
+    n_max = min(max_users_per_batch or aup.default_max_users_per_batch(n_tilde), n)
     q = n_tilde / n
-    eps_svt = svt_fraction * epsilon
-    sigma = _sigma_truncated(epsilon - eps_svt, delta / 2, q, steps, n, n_max, relation)
-    noise_std = tau * sigma * math.sqrt(8 * (epsilon + math.log(steps / delta))) / n_tilde
-    svt = AboveThreshold(4 * n_tilde / 5, eps_svt, (2 * n_max - 1) / n_tilde,
-                         torch.Generator().manual_seed(int(rng.integers(2**62))))
+    eps_svt, eps_gauss, delta_gauss = aup.split_budget(epsilon, delta, svt_fraction)
+    sigma = _sigma_truncated(eps_gauss, delta_gauss, q, steps, n, n_max, relation)
+    noise_std = aup.noise_std(tau, sigma, epsilon, steps, delta, n_tilde)
+    svt = aup.score_test(n_tilde, n_max, eps_svt, torch.Generator().manual_seed(int(rng.integers(2**62))))
     iterates = []
     for t in range(steps):
         users = np.flatnonzero(rng.random(n) < q)

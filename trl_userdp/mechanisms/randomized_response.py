@@ -9,7 +9,6 @@ this mechanism protects who preferred what, not the texts.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections import Counter
@@ -20,8 +19,8 @@ from accelerate import PartialState
 from datasets import load_from_disk
 
 from ..accountants import PrivacyReport
+from ..accountants.events import rr_keep_probability, rr_move_probability
 from ..data import DEFAULT_USER_COLUMN, bound_contributions
-from ..losses import flip_rate_from_epsilon
 from ..validators import check_epsilon, check_max_samples_per_user
 
 #: Column added to a privatized dataset: the per-label ε' it was privatized with. Its presence marks
@@ -63,15 +62,14 @@ class UserRandomizedResponse:
 
     @property
     def keep_probability(self) -> float:
-        e = math.exp(min(self.epsilon_per_label, 700.0))
-        return e / (e + self.num_choices - 1)
+        return rr_keep_probability(self.epsilon_per_label, self.num_choices)
 
     @property
     def flip_rate(self) -> float:
         """Binary case: probability a label is flipped, ``1 − σ(ε/m)`` (rDPO's ρ)."""
         if self.num_choices != 2:
             raise ValueError("flip_rate is defined for binary labels; use keep_probability for K > 2.")
-        return flip_rate_from_epsilon(self.epsilon_per_label)
+        return rr_move_probability(self.epsilon_per_label)
 
     def privatize_labels(self, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """K-RR on an array of label indices in ``[0, K)``."""

@@ -17,55 +17,16 @@ Per step, on the per-user averaged gradients ``g_i`` of the sampled users ``U_t`
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 from typing import List, Optional
 
 import torch
 
+from ..mechanisms.aup import keep_probabilities, noise_std, pairwise_distances, score_test
 from ..seeding import derive_seed
 from .user_optimizer import UserDPOptimizer
 
 logger = logging.getLogger(__name__)
-
-
-def pairwise_distances(unit_grads: List[torch.Tensor]) -> torch.Tensor:
-    """``[U, U]`` Euclidean distances between per-user gradients (all parameters together), from the
-    Gram matrix ``G = Σ_p g_p g_pᵀ``: ``‖g_i − g_j‖² = G_ii + G_jj − 2 G_ij``."""
-    n = unit_grads[0].shape[0] if unit_grads else 0
-    gram = torch.zeros((n, n), dtype=torch.float64)
-    for g in unit_grads:
-        flat = g.reshape(n, -1).double()
-        gram += (flat @ flat.T).cpu()
-    sq = torch.diagonal(gram)
-    return (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0).sqrt()
-
-
-def keep_probabilities(distances: torch.Tensor, radius: float, expected_users: float) -> torch.Tensor:
-    """Step 12's keep probability from ``f_i`` = number of users within 2τ of user i (self included)."""
-    f = (distances <= 2 * radius).sum(dim=1).double()
-    return ((f - expected_users / 2) / (expected_users / 6)).clamp(0.0, 1.0)
-
-
-class AboveThreshold:
-    """AboveThreshold (Dwork & Roth; AUP-RLHF Alg. 3) for queries of sensitivity Δ: one noisy
-    threshold per run, ``Lap(2Δ/ε)``; ``Lap(4Δ/ε)`` per query; pure ε for the whole run."""
-
-    def __init__(self, threshold: float, epsilon: float, sensitivity: float, generator: Optional[torch.Generator] = None):
-        self.threshold, self.epsilon, self.sensitivity, self.generator = threshold, epsilon, sensitivity, generator
-        self.noisy_threshold: Optional[float] = None  # drawn at the first query
-        self.queries = 0
-
-    def _laplace(self, scale: float) -> float:
-        u = torch.rand((), generator=self.generator, dtype=torch.float64) - 0.5
-        return float(-scale * torch.sign(u) * torch.log1p(-2 * u.abs()))
-
-    def query(self, value: float) -> bool:
-        """True (⊤) if the noisy value clears the noisy threshold; False (⊥) means halt."""
-        if self.noisy_threshold is None:
-            self.noisy_threshold = self.threshold - self._laplace(2 * self.sensitivity / self.epsilon)
-        self.queries += 1
-        return value + self._laplace(4 * self.sensitivity / self.epsilon) >= self.noisy_threshold
 
 
 class AUPOptimizer(UserDPOptimizer):
@@ -137,13 +98,10 @@ class AUPOptimizer(UserDPOptimizer):
     def _begin_phase(self, noise_multiplier: float, steps: int) -> None:
         """A fresh AboveThreshold (its own noisy threshold) and the Gaussian scale for ``steps`` steps."""
         n_tilde = self.expected_batch_size
-        self.svt = AboveThreshold(4 * n_tilde / 5, self.svt_epsilon, (2 * self.max_users_per_batch - 1) / n_tilde,
-                                  self.cpu_generator)
+        self.svt = score_test(n_tilde, self.max_users_per_batch, self.svt_epsilon, self.cpu_generator)
         self.noise_multiplier = float(noise_multiplier)
-        self.noise_std = (
-            self.concentration_radius * self.noise_multiplier
-            * math.sqrt(8 * math.log(math.exp(self.epsilon) * steps / self.delta)) / n_tilde
-        )
+        self.noise_std = noise_std(self.concentration_radius, self.noise_multiplier, self.epsilon, steps, self.delta,
+                                   n_tilde)
 
     def start_phase(self, noise_multiplier: float, steps: int) -> None:
         """Move to the next phase of Alg. 1 (a disjoint set of users): Alg. 2 starts afresh from the

@@ -1,0 +1,29 @@
+"""AUP-RLHF's formulas live in one module (issue 12): the CLI walkthrough, the engine and the optimizer use them,
+so they agree exactly."""
+
+import pytest
+
+from trl_userdp.cli import AccountArguments, _walkthrough_rows
+from trl_userdp.mechanisms import aup
+
+from ..test_adaptive_engine import _private
+
+
+def test_the_cli_walkthrough_prints_the_sigma_the_engine_trains_with():
+    """``trl-userdp account`` used to calibrate AUP's σ with plain Poisson steps (1.189 at its default setting) while
+    the engine truncates them to ñ_max (1.213); both now call :func:`aup.gaussian_noise_multiplier`."""
+    engine, _, optimizer, loader = _private(eps=4.0, steps=20, upb=60.0, n_users=300)
+    rows = _walkthrough_rows(AccountArguments(n_users=300, max_samples_per_user=4, users_per_batch=60.0, epochs=None,
+                                              steps=20, delta=1e-5, epsilons=[4.0]), progress=lambda what: None)
+    assert rows[0]["aup_half"] == engine.phase_noise_multipliers[0] == optimizer.noise_multiplier
+    assert optimizer.max_users_per_batch == aup.default_max_users_per_batch(60.0)
+    assert optimizer.noise_std == pytest.approx(
+        aup.noise_std(5.0, optimizer.noise_multiplier, 4.0, 20, 1e-5, 60.0), rel=1e-12)
+    assert optimizer.svt.threshold == pytest.approx(0.8 * 60.0)
+    assert optimizer.svt.sensitivity == pytest.approx(aup.score_sensitivity(optimizer.max_users_per_batch, 60.0))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0, -0.5])
+def test_a_budget_split_outside_the_open_interval_is_refused(fraction):
+    with pytest.raises(ValueError, match="svt_fraction must lie in"):
+        aup.split_budget(3.0, 1e-5, fraction)
