@@ -74,10 +74,14 @@ def test_robust_dpo_differs_from_sigmoid_when_flips_and_reduces_to_it_without():
     assert RobustDPOLoss(epsilon=1.0).flip_rate == pytest.approx(1 / (1 + math.e))
 
 
-@pytest.mark.parametrize("kwargs", [dict(flip_rate=0.5), dict(flip_rate=0.7), dict(flip_rate=-0.1), dict(epsilon=0.0),
-                                    dict(epsilon=-1.0), dict(), dict(flip_rate=0.1, epsilon=1.0)])
-def test_robust_dpo_rejects_uninformative_or_ambiguous_settings(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(flip_rate=0.5), r"flip_rate must lie in \[0, 1/2\)"), (dict(flip_rate=0.7), r"flip_rate must lie"),
+    (dict(flip_rate=-0.1), r"flip_rate must lie"), (dict(epsilon=0.0), "must be a finite number > 0"),
+    (dict(epsilon=-1.0), "must be a finite number > 0"), (dict(), "exactly one"),
+    (dict(flip_rate=0.1, epsilon=1.0), "exactly one"),
+])
+def test_robust_dpo_rejects_uninformative_or_ambiguous_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
         RobustDPOLoss(**kwargs)
 
 
@@ -113,9 +117,9 @@ def test_k_rr_debiased_plackett_luce_gradient_is_unbiased(k, eps):
 
 
 def test_losses_reject_bad_arguments():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="epsilon must be a finite number > 0"):
         RRDebiasedRewardLoss(0.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="reduction must be one of"):
         RRDebiasedRewardLoss(1.0, reduction="max")
     with pytest.raises(ValueError, match="shape"):
         PlackettLuceLoss()(torch.randn(3), torch.zeros(3))

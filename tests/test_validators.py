@@ -15,9 +15,12 @@ def test_a_plan_in_epochs_counts_the_trainers_steps(epochs, q):
     assert check_steps(None, epochs, q) == math.ceil(epochs * per_epoch)
 
 
-@pytest.mark.parametrize("steps,epochs", [(None, None), (3, 1.0), (0, None), (2.5, None), (None, 0.0), (True, None)])
-def test_bad_plans_raise(steps, epochs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("steps,epochs,match", [
+    (None, None, "exactly one"), (3, 1.0, "exactly one"), (0, None, "integer >= 1"), (2.5, None, "integer >= 1"),
+    (None, 0.0, "epochs must be"), (True, None, "integer >= 1"),
+])
+def test_bad_plans_raise(steps, epochs, match):
+    with pytest.raises(ValueError, match=match):
         check_steps(steps, epochs, 0.1)
 
 

@@ -14,6 +14,8 @@ _TRAINERS = (
     "UserDPDPOConfig",
     "UserDPDPOTrainer",
     "UserDPGRPOTrainer",
+    "UserDPKTOConfig",
+    "UserDPKTOTrainer",
     "UserDPRLOOTrainer",
     "UserDPRewardConfig",
     "UserDPRewardTrainer",

@@ -52,11 +52,14 @@ def test_state_dict_round_trip_keeps_relation_and_history():
         DPPldAccountant().load_state_dict(state)  # nor is a replace-one history an add/remove one (issue 11)
 
 
-@pytest.mark.parametrize("history", [[(1.0, 0.1, 0)], [(-1.0, 0.1, 3)], [(1.0, 1.5, 3)], [(1.0, 0.1)], "x"])
-def test_a_malformed_history_is_refused(history):
+@pytest.mark.parametrize("history,match", [
+    ([(1.0, 0.1, 0)], "step count 0"), ([(-1.0, 0.1, 3)], "noise_multiplier"), ([(1.0, 1.5, 3)], "sample_rate"),
+    ([(1.0, 0.1)], "malformed"), ("x", "malformed"),
+])
+def test_a_malformed_history_is_refused(history, match):
     state = DPPldAccountant().state_dict()
     state["history"] = history
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         DPPldAccountant().load_state_dict(state)
 
 

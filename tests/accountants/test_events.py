@@ -100,17 +100,17 @@ def test_aup_composition_is_gaussian_half_plus_svt_half():
 
 
 @pytest.mark.parametrize(
-    "call",
+    "call,match",
     [
-        lambda: poisson_gaussian_event(-0.1, 0.02, 10),
-        lambda: poisson_gaussian_event(1.0, 0.0, 10),
-        lambda: poisson_gaussian_event(1.0, 1.5, 10),
-        lambda: els_event(1.0, 0.02, 10, 0),
-        lambda: randomized_response_event(0.0, 10),
-        lambda: randomized_response_event(-1.0, 10),
-        lambda: randomized_response_event(1.0, 0),
+        (lambda: poisson_gaussian_event(-0.1, 0.02, 10), "noise_multiplier"),
+        (lambda: poisson_gaussian_event(1.0, 0.0, 10), "sample_rate"),
+        (lambda: poisson_gaussian_event(1.0, 1.5, 10), "sample_rate"),
+        (lambda: els_event(1.0, 0.02, 10, 0), "max_samples_per_user"),
+        (lambda: randomized_response_event(0.0, 10), "epsilon must be"),
+        (lambda: randomized_response_event(-1.0, 10), "epsilon must be"),
+        (lambda: randomized_response_event(1.0, 0), "max_samples_per_user"),
     ],
 )
-def test_events_reject_bad_parameters(call):
-    with pytest.raises(ValueError):
+def test_events_reject_bad_parameters(call, match):
+    with pytest.raises(ValueError, match=match):
         call()

@@ -95,10 +95,13 @@ def test_bad_datasets_raise(make, kwargs, match):
         UserRandomizedResponse(1.0, 2, seed=0).privatize(make(), **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(epsilon=0.0, max_samples_per_user=2), dict(epsilon=1.0, max_samples_per_user=0),
-                                    dict(epsilon=1.0, max_samples_per_user=2, num_choices=1)])
-def test_bad_parameters_raise(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(epsilon=0.0, max_samples_per_user=2), "epsilon must be"),
+    (dict(epsilon=1.0, max_samples_per_user=0), "max_samples_per_user must be"),
+    (dict(epsilon=1.0, max_samples_per_user=2, num_choices=1), "num_choices must be"),
+])
+def test_bad_parameters_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
         UserRandomizedResponse(**kwargs)
 
 

@@ -51,9 +51,8 @@ def test_identical_users_pass_and_nobody_is_removed():
     with torch.no_grad():
         expected_grad = 2 * (model(x[:1]).squeeze() - y[0]) * x[0]  # every user's average gradient
     update = _step(model, hooks, opt, x, y, users)
-    assert not opt.halted and opt._debug_stats["kept"] == 12
-    assert opt._debug_stats["score"] == pytest.approx(12 * 12 / 10.0)
-    assert torch.allclose(update.flatten(), expected_grad, atol=1e-6)  # σ = 0: the mean of the users
+    assert not opt.halted and opt.svt_queries == 1
+    assert torch.allclose(update.flatten(), expected_grad, atol=1e-6)  # σ = 0: the mean of all 12 users
 
 
 def test_a_far_away_adversary_is_always_removed():
@@ -65,8 +64,7 @@ def test_a_far_away_adversary_is_always_removed():
         with torch.no_grad():
             honest = 2 * (model(x[:1]).squeeze() - y[0]) * x[0]
         update = _step(model, hooks, opt, x, y, users + [99])
-        assert opt._debug_stats["kept"] == 12, seed
-        assert torch.allclose(update.flatten(), honest, atol=1e-5)
+        assert torch.allclose(update.flatten(), honest, atol=1e-5), seed  # kept, it would pull the mean far away
 
 
 def test_widely_spread_gradients_make_above_threshold_halt():

@@ -20,25 +20,27 @@ def tiny_reward_model(tokenizer):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
 
 
-def reward_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, **config):
+def reward_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, callbacks=None,
+                  **config):
     tokenizer = tiny_tokenizer()
     model = tiny_reward_model(tokenizer)
     args = config_cls(output_dir=output_dir, max_steps=steps, **{**COMMON, **config})
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset or text_preference_dataset(n_users=8, pairs_per_user=3),
-                          processing_class=tokenizer, peft_config=peft_config)
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     trainer.train()
     trainer.save_model()
     return trainer
 
 
-def dpo_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, tie=False, **config):
+def dpo_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, tie=False,
+               callbacks=None, **config):
     tokenizer = tiny_tokenizer()
     policy = tiny_llama_lm(len(tokenizer), tie=tie)
     reference = None if peft_config is not None else copy.deepcopy(policy)
     args = config_cls(output_dir=output_dir, max_steps=steps, **{**COMMON, **config})
     trainer = trainer_cls(model=policy, ref_model=reference, args=args,
                           train_dataset=dataset or text_preference_dataset(n_users=8, pairs_per_user=3),
-                          processing_class=tokenizer, peft_config=peft_config)
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     trainer.train()
     trainer.save_model()
     return trainer

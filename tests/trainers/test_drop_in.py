@@ -7,6 +7,7 @@ import dp_accounting as dpa
 import pytest
 import torch
 from dp_accounting import pld
+from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 
 from trl_userdp import PrivacyReport
@@ -39,10 +40,19 @@ def test_a_trl_script_runs_with_the_class_swap_only(tmp_path, script, trl_traine
 
 @pytest.mark.parametrize("script,trl_trainer,trl_config,our_trainer,our_config", CASES)
 def test_private_training_changes_the_parameters(tmp_path, script, trl_trainer, trl_config, our_trainer, our_config):
-    fresh = script(our_trainer, our_config, str(tmp_path / "zero"), steps=1, learning_rate=0.0, accountant="rdp")
-    trained = script(our_trainer, our_config, str(tmp_path / "ours"), steps=3, accountant="rdp")
-    changed = [not torch.equal(a, b) for a, b in zip(fresh.model.parameters(), trained.model.parameters())]
-    assert any(changed)
+    """Each trainable parameter, before and after three private steps of one run (issue 12: a comparison between
+    two runs could pass on initialisation differences alone)."""
+    record = {}
+
+    class Before(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            record.update({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+
+    trainer = script(our_trainer, our_config, str(tmp_path / "ours"), steps=3, accountant="rdp", callbacks=[Before()])
+    after = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert set(after) == set(record) and record
+    unchanged = [n for n in record if torch.equal(record[n], after[n])]
+    assert not unchanged, unchanged  # σ > 0: noise reaches every parameter, every step
 
 
 def test_logs_and_saved_files_hold_no_raw_gradient_norm_or_private_metrics(tmp_path):

@@ -256,7 +256,7 @@ def test_the_saved_model_folder_holds_no_secret_or_per_user_count(tmp_path):
     assert str(seed) not in trainer.args.to_json_string()
     # the checkpoint keeps the threshold it needs to resume (named a checkpoint-only secret in the README)
     state = torch.load(tmp_path / "checkpoint-2" / "privacy_state.pt", weights_only=True)
-    assert state["svt"]["noisy_threshold"] == threshold
+    assert state["optimizer"]["noisy_threshold"] == threshold
 
 
 # -- smaller ones (item 8) ---------------------------------------------------------------------------------------
@@ -294,3 +294,25 @@ def test_a_large_delta_warns(tmp_path):
         from trl_userdp.validators import warn_if_delta_is_large
 
         warn_if_delta_is_large(1e-5, 8)
+
+
+def test_an_aup_checkpoint_with_edited_above_threshold_state_is_refused(tmp_path):
+    from .test_mechanisms import MECHANISMS
+
+    aup = {k: v for k, v in MECHANISMS["aup"].items() if k != "dataset"}
+    data = text_preference_dataset(n_users=40, pairs_per_user=1)
+    reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path / "run"), steps=2, privacy_mechanism="aup",
+                  save_strategy="steps", save_steps=2, dataset=data, **aup)
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    path = os.path.join(checkpoint, "privacy_state.pt")
+    state = torch.load(path, weights_only=True)
+    assert state["optimizer"]["queries"] == 2
+    state["optimizer"]["queries"] = 0  # as if AboveThreshold had not been asked: a fresh threshold on resume
+    torch.save(state, path)
+    tokenizer = tiny_tokenizer()
+    args = UserDPRewardConfig(output_dir=str(tmp_path / "run"), max_steps=2, privacy_mechanism="aup",
+                              **{**COMMON, **aup})  # the same plan, so the same σ
+    trainer = UserDPRewardTrainer(model=tiny_reward_model(tokenizer), args=args, processing_class=tokenizer,
+                                  train_dataset=data)
+    with pytest.raises(ValueError, match="0 AboveThreshold queries for 2 accounted steps"):
+        trainer.train(resume_from_checkpoint=checkpoint)

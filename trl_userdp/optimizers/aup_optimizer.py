@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -89,8 +89,6 @@ class AUPOptimizer(UserDPOptimizer):
         self.halted = False
         self._begin_phase(noise_multiplier, steps)
         self.halted_at_query: Optional[int] = None
-        #: statistics of the last step's private batch, for tests and debugging: never log them
-        self._debug_stats: dict = {}
         self.average_iterates = average_iterates
         self.iterate_average: Optional[List[torch.Tensor]] = None
         self._averaged = 0
@@ -125,6 +123,23 @@ class AUPOptimizer(UserDPOptimizer):
         if self.noise_seed is not None:
             self.cpu_generator.manual_seed(derive_seed(self.noise_seed, "aup", self.step_index()))
 
+    def privacy_state_dict(self) -> Dict[str, Any]:
+        """AboveThreshold's state: its one noisy threshold (a secret of the mechanism: checkpoints only, never
+        ``save_model``), its queries and whether it halted."""
+        return {"noisy_threshold": self.svt.noisy_threshold, "queries": self.svt.queries, "halted": self.halted,
+                "halted_at_query": self.halted_at_query}
+
+    def load_privacy_state_dict(self, state: Dict[str, Any], *, accounted_steps: int, source: str = "checkpoint") -> None:
+        """Restore the run's threshold (not a new draw) and queries; each accounted step made one query, and a halt
+        one more."""
+        if set(state) != {"noisy_threshold", "queries", "halted", "halted_at_query"}:
+            raise ValueError(f"{source}: no AboveThreshold state for this AUP-RLHF run; refusing to resume.")
+        if state["queries"] != accounted_steps + int(state["halted"]):
+            raise ValueError(f"{source}: {state['queries']} AboveThreshold queries for {accounted_steps} accounted steps; "
+                             "the state was edited; refusing to resume.")
+        self.svt.noisy_threshold, self.svt.queries = state["noisy_threshold"], state["queries"]
+        self.halted, self.halted_at_query = state["halted"], state["halted_at_query"]
+
     def pre_step(self, closure=None) -> bool:
         self.key_randomness()
         grads = self.unit_gradients()
@@ -141,7 +156,6 @@ class AUPOptimizer(UserDPOptimizer):
             self.halted, self.halted_at_query = True, sum(self.svt_queries_by_phase)
             logger.warning("AUP-RLHF halted: AboveThreshold answered ⊥ at query %d; no further steps are taken.",
                            self.svt_queries)
-            self._debug_stats = {"score": score, "users": n_units, "halted": True}
             return False
         probs = keep_probabilities(dist, tau, n_tilde)
         keep = torch.rand(n_units, generator=self.cpu_generator, dtype=torch.float64) < probs
@@ -150,7 +164,6 @@ class AUPOptimizer(UserDPOptimizer):
             mean = g[keep.to(g.device)].mean(0) if kept else torch.zeros_like(p)
             noise = torch.normal(0.0, self.noise_std, size=p.shape, generator=self.generator, dtype=p.dtype, device=p.device)
             p.grad = (mean + noise).view_as(p)
-        self._debug_stats = {"score": score, "users": n_units, "kept": kept, "halted": False}
         if self.step_hook:
             self.step_hook(self)
         return True

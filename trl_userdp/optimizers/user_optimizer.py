@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import secrets
 import warnings
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
@@ -222,6 +222,19 @@ class UserDPOptimizer(DPOptimizer):
                 p.grad_sample = None
                 p.summed_grad = None
             self.hooks.reset_step(clear_pending=True)
+
+    #: user-wise DP-SGD never halts (AUP-RLHF's AboveThreshold can)
+    halted = False
+
+    def privacy_state_dict(self) -> Dict[str, Any]:
+        """State a checkpoint needs beyond the accountant's history (none here; AUP-RLHF's AboveThreshold)."""
+        return {}
+
+    def load_privacy_state_dict(self, state: Dict[str, Any], *, accounted_steps: int, source: str = "checkpoint") -> None:
+        """Restore :meth:`privacy_state_dict`, checked against the ``accounted_steps`` of the restored accountant."""
+        if state:
+            raise ValueError(f"{source}: privacy state {sorted(state)} does not belong to user-wise DP-SGD; refusing to "
+                             "resume.")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

@@ -1,7 +1,10 @@
 """TRL trainer subclasses with user-level differential privacy (README, TRL trainers)."""
 
 from .dpo_config import UserDPDPOConfig
-from .dpo_trainer import UserDPDPOTrainer, unfuse_lm_head
+from .dpo_trainer import UserDPDPOTrainer
+from .fused_head import unfuse_lm_head
+from .kto_config import UserDPKTOConfig
+from .kto_trainer import UserDPKTOTrainer
 from .online import UserDPGRPOTrainer, UserDPRLOOTrainer, find_privacy_report
 from .privacy_config import GRADIENT_MECHANISMS, PRIVACY_MECHANISMS, UserDPArguments
 from .reward_config import UserDPRewardConfig
@@ -14,6 +17,8 @@ __all__ = [
     "UserDPDPOConfig",
     "UserDPDPOTrainer",
     "UserDPGRPOTrainer",
+    "UserDPKTOConfig",
+    "UserDPKTOTrainer",
     "UserDPRLOOTrainer",
     "UserDPRewardConfig",
     "UserDPRewardTrainer",

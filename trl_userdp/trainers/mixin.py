@@ -15,10 +15,11 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import datasets
 import torch
@@ -34,7 +35,8 @@ from ..data import resolve_user_ids
 from ..mechanisms import UserRandomizedResponse
 from ..mechanisms.randomized_response import OUTPUT_DIR as RR_OUTPUT_DIR
 from ..privacy_engine import PrivacyEngine
-from .privacy_config import GRADIENT_MECHANISMS
+from .fused_head import unfuse_lm_head
+from .privacy_config import GRADIENT_MECHANISMS, UserDPArguments
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class PrivacyBudgetCallback(TrainerCallback):
         engine = self.trainer.privacy_engine
         if engine is None:
             return control
-        halted = getattr(engine.optimizer, "halted", False)
+        halted = engine.optimizer.halted
         if halted or not engine.budget_allows_step():
             if not control.should_training_stop:
                 logger.warning(
@@ -75,16 +77,53 @@ class PrivacyBudgetCallback(TrainerCallback):
 
 
 class UserDPTrainerMixin:
-    """Mixed in before a TRL trainer class; see the module docstring."""
+    """Mixed in before a TRL trainer class; see the module docstring.
 
+    One cooperative ``__init__`` serves every trainer: it finds ``args`` and ``train_dataset`` in the TRL
+    trainer's own signature, refuses what breaks the per-user bound, prepares the data (randomized response),
+    lets the trainer adapt its loss to label privacy, runs the TRL ``__init__``, then prepares the model (TRL's
+    fused LM head replaced by the model's own forward) and the privacy state. A new trainer declares:
+
+    * :attr:`config_class` and :attr:`rows_per_example`;
+    * :meth:`dp_refusals`: the settings that couple users in a batch (checked for gradient mechanisms);
+    * :meth:`use_label_privacy`: how randomized response changes the loss (default: not supported).
+    """
+
+    #: the config class this trainer needs (TRL's config plus :class:`UserDPArguments`)
+    config_class: type = UserDPArguments
     #: rows the trainer's collator emits per example ([chosen; rejected] for preference trainers)
     rows_per_example = 2
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        config = bound.arguments.get("args")
+        if not isinstance(config, self.config_class):
+            raise ValueError(f"{type(self).__name__} needs `args={self.config_class.__name__}(...)` "
+                             f"(TRL's config plus the privacy fields).")
+        if config.privacy_mechanism in GRADIENT_MECHANISMS:
+            refusals = self.dp_refusals(config)
+            if refusals:
+                raise ValueError(refusals[0])
+        bound.arguments["train_dataset"] = self._prepare_train_dataset(bound.arguments.get("train_dataset"), config)
+        super().__init__(*bound.args, **bound.kwargs)
+        self._init_privacy()
+
+    # -- declared by each trainer ---------------------------------------------------------------
+    def dp_refusals(self, args) -> List[str]:
+        """One message per setting of ``args`` that couples users in a batch (docs/stack_findings.md)."""
+        return []
+
+    def use_label_privacy(self, args, rr: UserRandomizedResponse) -> None:
+        """Adapt the loss to labels privatized by ``rr`` (called before the TRL ``__init__``)."""
+        raise ValueError(f"privacy_mechanism='randomized_response' has no de-biased loss for {type(self).__name__}; "
+                         "use a gradient mechanism ('user_dpsgd', 'group', 'aup').")
 
     # -- set-up ---------------------------------------------------------------------------------
     def _prepare_train_dataset(self, train_dataset, args):
         """Before the TRL trainer's ``__init__`` (which tokenizes the dataset): refuse datasets user-level
-        sampling cannot use, and for ``randomized_response`` flip the labels, once per output directory
-        (a resumed run reuses the saved output instead of a second, unaccounted draw)."""
+        sampling cannot use, and for ``randomized_response`` adapt the loss (:meth:`use_label_privacy`) and flip
+        the labels, once per output directory (a resumed run reuses the saved output instead of a second,
+        unaccounted draw)."""
         self.rr_report: Optional[PrivacyReport] = None
         self.randomized_response: Optional[UserRandomizedResponse] = None
         if args.privacy_mechanism == "none":
@@ -102,6 +141,7 @@ class UserDPTrainerMixin:
         self.randomized_response = UserRandomizedResponse(
             args.target_epsilon, args.max_samples_per_user, seed=args.privacy_seed
         )
+        self.use_label_privacy(args, self.randomized_response)
         train_dataset, self.rr_report = self.randomized_response.privatize_once(
             train_dataset, args.output_dir, user_column=args.user_column)
         logger.info("Randomized response: %d labels privatized once (ε = %g per user, ε/m = %g per label), kept in %s.",
@@ -111,11 +151,19 @@ class UserDPTrainerMixin:
 
     def _init_privacy(self) -> None:
         """After the TRL trainer's ``__init__``: check the privacy fields again (they may have been changed
-        after the config was built) and the user column, add the budget callback."""
+        after the config was built) and the user column, replace a fused LM head, add the budget callback."""
         self.args._validate_privacy_fields()
         self.privacy_engine = None
         self._restored_privacy_state: Optional[Tuple[Dict[str, Any], int, str]] = None
         if self.args.privacy_mechanism in GRADIENT_MECHANISMS:
+            if getattr(self, "aux_loss_enabled", False):
+                raise ValueError(
+                    "The Mixture-of-Experts router auxiliary loss is computed over the whole batch and couples users, "
+                    "which breaks the per-user bound: set router_aux_loss_coef=0.0 under user-level DP."
+                )
+            policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            if "forward" in vars(policy):  # TRL patched the instance's forward (its fused LM head)
+                unfuse_lm_head(policy)
             resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
             if self.accelerator.num_processes > 1:
                 raise ValueError(
@@ -200,10 +248,10 @@ class UserDPTrainerMixin:
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self._dp_active and not self.privacy_engine.budget_allows_step():
-            # the budget is spent (e.g. a resumed run): no forward pass; the optimizer skips the step
+        if self._dp_active and self.control.should_training_stop:
+            # the budget callback found the budget spent (or AUP-RLHF halted) before this step, e.g. in a resumed
+            # run: no forward pass; the optimizer's own guard skips the step
             inputs.pop(USER_KEY, None)
-            self.control.should_training_stop = True
             return torch.zeros((), device=self.args.device)
         if self._dp_active and inputs["input_ids"].shape[0] == 0:
             # A step with no sampled user: no forward pass (models fail on zero rows); the optimizer still
@@ -288,15 +336,10 @@ class UserDPTrainerMixin:
             torch.save(self._privacy_state(), os.path.join(output_dir, PRIVACY_STATE_FILE))
 
     def _privacy_state(self) -> Dict[str, Any]:
-        """What a checkpoint needs to resume the privacy: the accountant's history and, for AUP-RLHF, the
-        AboveThreshold state, whose noisy threshold is a secret of the mechanism (checkpoints only)."""
+        """What a checkpoint needs to resume the privacy: the accountant's history and the optimizer's own state
+        (AUP-RLHF's AboveThreshold, whose noisy threshold is a secret of the mechanism: checkpoints only)."""
         engine = self.privacy_engine
-        state = {"accountant": engine.accountant.state_dict()}
-        svt = getattr(engine.optimizer, "svt", None)
-        if svt is not None:
-            state["svt"] = {"noisy_threshold": svt.noisy_threshold, "queries": svt.queries,
-                            "halted": engine.optimizer.halted, "halted_at_query": engine.optimizer.halted_at_query}
-        return state
+        return {"accountant": engine.accountant.state_dict(), "optimizer": engine.optimizer.privacy_state_dict()}
 
     def _apply_privacy_state(self, state: Dict[str, Any], global_step: int, path: str) -> None:
         """Restore a checkpoint's privacy state, checked against the run it resumes: the accountant must be
@@ -305,18 +348,9 @@ class UserDPTrainerMixin:
         engine = self.privacy_engine
         engine.accountant.load_state_dict(state["accountant"])
         engine.check_restored_history()
-        svt, opt = state.get("svt"), engine.optimizer
-        if (svt is None) != (getattr(opt, "svt", None) is None):
-            raise ValueError(f"{path}: the AboveThreshold state does not match this run's mechanism; refusing to resume.")
         accounted = engine.steps_accounted()
-        if svt is not None:
-            opt.svt.noisy_threshold = svt["noisy_threshold"]  # the run's one threshold, not a new draw
-            opt.svt.queries = svt["queries"]
-            opt.halted, opt.halted_at_query = svt["halted"], svt["halted_at_query"]
-            if svt["queries"] != accounted + int(svt["halted"]):
-                raise ValueError(f"{path}: {svt['queries']} AboveThreshold queries for {accounted} accounted steps; "
-                                 "the state was edited; refusing to resume.")
-        finished = (svt is not None and svt["halted"]) or not engine.budget_allows_step()
+        engine.optimizer.load_privacy_state_dict(state.get("optimizer", {}), accounted_steps=accounted, source=path)
+        finished = engine.optimizer.halted or not engine.budget_allows_step()
         if accounted > global_step or (accounted < global_step and not finished):
             raise ValueError(
                 f"{path}: the restored accountant holds {accounted} steps, but the checkpoint is at step {global_step}. "

@@ -15,22 +15,19 @@ class UserDPRewardTrainer(UserDPTrainerMixin, RewardTrainer):
     user column in ``train_dataset``. Under ``randomized_response`` the loss is the de-biased one
     (:class:`~trl_userdp.losses.RRDebiasedRewardLoss` at ε/m per label) on the privatized labels."""
 
-    def __init__(self, model, args: UserDPRewardConfig = None, data_collator=None, train_dataset=None, *rest, **kwargs):
-        if not isinstance(args, UserDPRewardConfig):
-            raise ValueError("UserDPRewardTrainer needs `args=UserDPRewardConfig(...)` (RewardConfig plus privacy fields).")
-        train_dataset = self._prepare_train_dataset(train_dataset, args)
-        super().__init__(model, args, data_collator, train_dataset, *rest, **kwargs)
-        self._init_privacy()
-        if self.randomized_response is not None:
-            self._rr_loss = RRDebiasedRewardLoss(self.randomized_response.epsilon_per_label)
+    config_class = UserDPRewardConfig
+    _rr_loss = None
+
+    def use_label_privacy(self, args, rr) -> None:
+        self._rr_loss = RRDebiasedRewardLoss(rr.epsilon_per_label)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.args.privacy_mechanism != "randomized_response":
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        inputs["use_cache"] = False
-        outputs = model(**inputs)
-        chosen, rejected = torch.chunk(outputs.logits.squeeze(-1), chunks=2)
-        loss = self._rr_loss(chosen - rejected - inputs.get("margin", 0.0))
-        if self.args.center_rewards_coefficient is not None:
-            loss = loss + self.args.center_rewards_coefficient * torch.mean((chosen + rejected) ** 2)
+        """TRL's loss (and its metrics); under randomized response the BTL term is replaced by the de-biased one,
+        on the same forward pass."""
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if self._rr_loss is not None:
+            chosen, rejected = torch.chunk(outputs.logits.squeeze(-1), chunks=2)
+            loss = self._rr_loss(chosen - rejected - inputs.get("margin", 0.0))
+            if self.args.center_rewards_coefficient is not None:
+                loss = loss + self.args.center_rewards_coefficient * torch.mean((chosen + rejected) ** 2)
         return (loss, outputs) if return_outputs else loss
