@@ -13,25 +13,22 @@ gradient-mapping norm of 1e-9. SGD-RR uses η_t = 1/(γ(2σ(ε)−1)κt), γ = �
 sample covariance. Objective perturbation uses β = √n/B and σ = L√(8 log(2/δ)+4ε)/ε. The metric is
 the raw ℓ2 error ‖θ̂ − θ*‖ (the authors' notebook plots it divided by √n), mean ± 95% t-interval.
 
-    python benchmarks/chowdhury_simulation.py            # 50 repetitions, ~2 min
-    python benchmarks/chowdhury_simulation.py --quick    # 10 repetitions, ~20 s
+    python -m benchmarks.chowdhury_simulation            # 50 repetitions, ~2 min
+    python -m benchmarks.chowdhury_simulation --quick    # 10 repetitions, ~20 s
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results  # noqa: E402
-from trl_userdp.linear import generate_btl_data, mle, objective_perturbation, rr_debiased_mle, sgd_rr  # noqa: E402
-from trl_userdp.mechanisms import UserRandomizedResponse  # noqa: E402
+from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
+from trl_userdp.linear import generate_btl_data, mle, objective_perturbation, rr_debiased_mle, sgd_rr
+from trl_userdp.mechanisms import UserRandomizedResponse
 
 ESTIMATORS = ("non-private MLE", "central: objective perturbation", "local: RR de-biased MLE", "local: SGD-RR")
 

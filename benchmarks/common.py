@@ -41,7 +41,8 @@ def write_results(name: str, payload: dict, out_dir: str = RESULTS_DIR) -> str:
     """Write ``<name>.json`` with the payload, the command line, and the machine."""
     os.makedirs(out_dir, exist_ok=True)
     payload = dict(payload)
-    payload["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
+    module = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    payload["command"] = " ".join(["python", "-m", f"benchmarks.{module}", *sys.argv[1:]])
     payload["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
     payload["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     path = os.path.join(out_dir, f"{name}.json")

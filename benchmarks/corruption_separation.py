@@ -16,26 +16,22 @@ error, the bias ‖mean θ̂ − θ*‖, and the share of estimates stopped by t
 of the corruption-induced bias (bias(α) − bias(0)) is compared with c(ε) where neither order hit
 the radius (a cut-off bias has no ratio).
 
-    python benchmarks/corruption_separation.py           # ~1 min
-    python benchmarks/corruption_separation.py --quick
+    python -m benchmarks.corruption_separation           # ~1 min
+    python -m benchmarks.corruption_separation --quick
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results  # noqa: E402
-from trl_userdp.linear import generate_btl_data, rr_debiased_mle, sample_theta_star  # noqa: E402
-from trl_userdp.mechanisms import UserRandomizedResponse  # noqa: E402
+from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
+from trl_userdp.linear import generate_btl_data, rr_debiased_mle, sample_theta_star
+from trl_userdp.mechanisms import UserRandomizedResponse
 
 
 def corrupt(labels: np.ndarray, scores: np.ndarray, alpha: float, adversary: str, rng: np.random.Generator) -> np.ndarray:

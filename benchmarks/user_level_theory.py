@@ -18,8 +18,8 @@ user-wise DP-SGD ``σ·C/ñ`` against AUP-RLHF ``τ·σ'·√(8 log(e^ε T/δ))/
 average of m gradients of norm ≤ C); plus the chance that Poisson fluctuation of |U_t| alone leaves
 AUP's concentration score above 4ñ/5 for all T steps.
 
-    python benchmarks/user_level_theory.py            # 20 seeds, about 11 min on 2 CPU cores
-    python benchmarks/user_level_theory.py --quick    # m sweep only, 5 seeds, about 2 min
+    python -m benchmarks.user_level_theory            # 20 seeds, about 11 min on 2 CPU cores
+    python -m benchmarks.user_level_theory --quick    # m sweep only, 5 seeds, about 2 min
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -35,11 +34,9 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results  # noqa: E402
-from trl_userdp.accountants import calibrate_noise_multiplier, poisson_gaussian_event  # noqa: E402
-from trl_userdp.linear import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
+from trl_userdp.accountants import calibrate_noise_multiplier, poisson_gaussian_event
+from trl_userdp.linear import (
     aup_rlhf,
     generate_btl_data,
     group_dpsgd,
@@ -50,8 +47,9 @@ from trl_userdp.linear import (  # noqa: E402
     user_objective_perturbation,
     user_rr_mle,
 )
-from trl_userdp.mechanisms import aup  # noqa: E402
-from trl_userdp.mechanisms.aup import pairwise_distances  # noqa: E402
+from trl_userdp.mechanisms import aup
+from trl_userdp.validators import check_steps
+from trl_userdp.mechanisms.aup import pairwise_distances
 
 ESTIMATORS = ("non-private MLE", "user RR + de-biased MLE", "group DP-SGD", "user-wise DP-SGD", "AUP (Thm 4 τ, η)",
               "AUP (public τ)", "objective perturbation")
@@ -105,7 +103,7 @@ def noise_table(ms: Sequence[int], epsilons: Sequence[float], total_pairs: int =
         for m in ms:
             n, n_tilde = total_pairs // m, pairs_per_step / m
             q = n_tilde / n
-            steps = int(round(epochs / q))
+            steps = check_steps(None, epochs, q)  # the engine's plan: ceil(E·round(1/q))
             n_max = aup.default_max_users_per_batch(n_tilde)
             sigma_user = calibrate_noise_multiplier(lambda s: poisson_gaussian_event(s, q, steps), target_epsilon=eps,
                                                     target_delta=DELTA, accountant="pld", relation=RELATION, tol=1e-3)

@@ -29,6 +29,7 @@ from .mechanisms import aup
 from .mechanisms.aup import default_max_users_per_batch, pairwise_distances
 from .optimizers.aup_optimizer import AUPOptimizer
 from .privacy_engine import PrivacyEngine
+from .seeding import derive_seed
 from .validators import check_positive, check_steps, warn_if_delta_is_large
 
 
@@ -332,4 +333,4 @@ def _user_gradients(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.
 
 def _phase_seed(seed: int, phase: int, phases: int) -> int:
     """Phase ``phase``'s sampling seed (the seed itself with one phase, as without phases)."""
-    return seed if phases == 1 else int(np.random.SeedSequence([seed, phase]).generate_state(1)[0])
+    return seed if phases == 1 else derive_seed(seed, "phase", phase)

@@ -285,24 +285,9 @@ COMMANDS: Dict[str, Callable[..., int]] = {"account": account, "reward": reward,
 DEFAULT_OUTPUT = {"reward": "runs/reward", "dpo": "runs/dpo", "rl": "runs/rl"}
 
 
-def bench(argv: Sequence[str]) -> int:
-    """Run ``benchmarks/<name>.py`` of a repository checkout with the remaining arguments."""
-    import os
-    import runpy
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    names = sorted(f[:-3] for f in os.listdir(os.path.join(root, "benchmarks")) if f.endswith(".py") and f != "common.py"
-                   and not f.startswith("_")) if os.path.isdir(os.path.join(root, "benchmarks")) else []
-    if not argv or argv[0] not in names:
-        raise ValueError(f"bench needs a benchmark name from a repository checkout: {', '.join(names) or 'none found'}.")
-    sys.argv = [argv[0], *argv[1:]]
-    runpy.run_path(os.path.join(root, "benchmarks", f"{argv[0]}.py"), run_name="__main__")
-    return 0
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    names = [*COMMANDS, "bench"]
+    names = list(COMMANDS)
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: trl-userdp {{{','.join(names)}}} [--help] [options]")
         return 0
@@ -311,8 +296,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"trl-userdp: error: unknown command {name!r} (choose from {', '.join(names)})", file=sys.stderr)
         return 2
     try:
-        if name == "bench":
-            return bench(rest)
         from trl import TrlParser
 
         if name in DEFAULT_OUTPUT and not any(a.startswith("--output_dir") for a in rest):

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from .accountants import DPAccountingAccountant, PrivacyReport, calibrate_noise_multiplier
 from .checkpoints import load_plain
-from .accountants.accountant import ACCOUNTANTS_BY_NAME
+from .accountants.accountant import accountant_class
 from .data import DEFAULT_USER_COLUMN, UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
 from .grad_sample import UserGradSampleHooks, check_module, supply_position_ids
@@ -61,10 +61,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
     """
 
     def __init__(self, *, accountant: str = "pld", secure_mode: bool = False, neighboring_relation: str = "add_or_remove"):
-        if accountant not in ACCOUNTANTS_BY_NAME:
-            raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS_BY_NAME)}, got {accountant!r}.")
-        super().__init__(accountant=ACCOUNTANTS_BY_NAME[accountant].mechanism(), secure_mode=secure_mode)
-        self.accountant: DPAccountingAccountant = ACCOUNTANTS_BY_NAME[accountant](relation=neighboring_relation)
+        cls = accountant_class(accountant)
+        super().__init__(accountant=cls.mechanism(), secure_mode=secure_mode)
+        self.accountant: DPAccountingAccountant = cls(relation=neighboring_relation)
         self.mechanism: Optional[str] = None
         self.bounding: Optional[BoundingReport] = None
         self.hooks: Optional[UserGradSampleHooks] = None

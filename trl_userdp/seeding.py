@@ -1,5 +1,8 @@
 """Seeds of the privacy randomness, derived one way: a run seed, the stream's purpose and its position.
 
+Every seeded draw of the package comes from here: contribution bounding and AUP-RLHF's phases (per user:
+``"bounding"``, ``"phases"``), user sampling (per epoch: ``"sampling"``; per phase: ``"phase"``), randomized
+response (``"randomized_response"``), the noise and AUP-RLHF's draws (per step: ``"noise"``, ``"aup"``).
 With a seed (``privacy_seed`` in the trainers, ``noise_seed`` in the engines) the draws of step t come from
 ``derive_seed(seed, stream, t)``, so a run resumed at step k draws steps k+1, k+2, ... exactly as the
 uninterrupted run would, and never replays the draws of steps 1…k (docs/privacy_model.md, "Faults")."""

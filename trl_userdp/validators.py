@@ -82,8 +82,13 @@ def check_steps(steps: Optional[int], epochs: Optional[float], sample_rate: floa
     if steps is None:
         check_positive(epochs, "epochs")
         steps = math.ceil(epochs * steps_per_epoch(sample_rate))
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}.")
+    return check_step_count(steps)
+
+
+def check_step_count(steps: int, minimum: int = 1) -> int:
+    """A whole number of steps, at least ``minimum`` (a plan needs one step; an accounting event may hold none)."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < minimum:
+        raise ValueError(f"steps must be an integer >= {minimum}, got {steps!r}.")
     return int(steps)
 
 

@@ -179,3 +179,10 @@ ACCOUNTANTS_BY_NAME = {
 for _cls in (DPRdpAccountant, DPPldAccountant):
     if _cls.mechanism() not in _ACCOUNTANTS:
         register_accountant(_cls.mechanism(), _cls)
+
+
+def accountant_class(name: str) -> type:
+    """The accountant class registered under ``name`` (``"rdp"``, ``"pld"``, ``"prv"``, ``"dp_rdp"``, ``"dp_pld"``)."""
+    if name not in ACCOUNTANTS_BY_NAME:
+        raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS_BY_NAME)}, got {name!r}.")
+    return ACCOUNTANTS_BY_NAME[name]

@@ -16,13 +16,8 @@ from ..validators import (
     check_max_samples_per_user,
     check_noise_multiplier,
     check_sample_rate,
+    check_step_count,
 )
-
-
-def _check_steps(steps: int) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be an integer >= 0, got {steps!r}.")
-    return steps
 
 
 def poisson_gaussian_event(noise_multiplier: float, sample_rate: float, steps: int) -> dpa.DpEvent:
@@ -31,7 +26,7 @@ def poisson_gaussian_event(noise_multiplier: float, sample_rate: float, steps: i
     check_noise_multiplier(noise_multiplier)
     check_sample_rate(sample_rate)
     return dpa.SelfComposedDpEvent(
-        dpa.PoissonSampledDpEvent(sample_rate, dpa.GaussianDpEvent(noise_multiplier)), _check_steps(steps)
+        dpa.PoissonSampledDpEvent(sample_rate, dpa.GaussianDpEvent(noise_multiplier)), check_step_count(steps, minimum=0)
     )
 
 
@@ -51,7 +46,7 @@ def truncated_poisson_gaussian_event(
             truncated_batch_size=int(max_users_per_batch),
             noise_multiplier=noise_multiplier,
         ),
-        _check_steps(steps),
+        check_step_count(steps, minimum=0),
     )
 
 
@@ -78,7 +73,7 @@ def els_event(
             sensitivities=[float(k) for k in keep],
             sampling_probs=[p / total for p in probs],
         ),
-        _check_steps(steps),
+        check_step_count(steps, minimum=0),
     )
 
 

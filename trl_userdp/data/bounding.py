@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 from torch.utils.data import Subset
 
+from ..seeding import derive_seed
 from ..validators import check_max_samples_per_user
 from .users import DEFAULT_USER_COLUMN, UserIndex, is_hf_dataset, resolve_user_ids
 
@@ -67,20 +68,19 @@ def bound_contributions(
     return UserSubset(dataset, kept.tolist(), index.keys[index.codes[kept]].tolist()), report
 
 
-def _user_rng(seed: Optional[int], key: Any, stream: int = 0) -> np.random.Generator:
+def user_rng(seed: Optional[int], stream: str, key: Any) -> np.random.Generator:
     """A generator for one user, keyed by the user's id: adding or removing another user leaves this
-    user's draw unchanged, so bounded neighbouring datasets still differ in one user only. ``stream``
-    separates independent uses (0: contribution bounding, 1: phase assignment)."""
+    user's draw unchanged, so bounded neighbouring datasets still differ in one user only. ``stream`` names
+    the use (``"bounding"``, ``"phases"``; :func:`~trl_userdp.seeding.derive_seed`)."""
     if seed is None:
         return np.random.default_rng()
-    digest = hashlib.sha256(repr(key).encode()).digest()
-    words = [seed, int.from_bytes(digest[:8], "little")]
-    return np.random.default_rng(words + [stream] if stream else words)
+    user = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little")
+    return np.random.default_rng(derive_seed(seed, stream, user))
 
 
 def _draw_rows(index: UserIndex, m: int, seed: Optional[int]) -> np.ndarray:
     kept = [
-        rows if len(rows) <= m else np.sort(_user_rng(seed, key).choice(rows, size=m, replace=False))
+        rows if len(rows) <= m else np.sort(user_rng(seed, "bounding", key).choice(rows, size=m, replace=False))
         for key, rows in zip(index.keys.tolist(), index.rows)
     ]
     return np.sort(np.concatenate(kept))

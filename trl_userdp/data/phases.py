@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from .bounding import UserSubset, _user_rng
+from .bounding import UserSubset, user_rng
 from .users import UserIndex, is_hf_dataset
 
 PHASE_USERS = ("all", "paper")
@@ -31,7 +31,7 @@ def phase_shares(phases: int, phase_users: str = "all") -> np.ndarray:
 def assign_phases(index: UserIndex, shares: np.ndarray, seed: Optional[int]) -> np.ndarray:
     """Phase of every user (``-1``: in no phase), one keyed uniform draw per user."""
     edges = np.cumsum(shares)
-    draws = np.array([_user_rng(seed, key, stream=1).random() for key in index.keys.tolist()])
+    draws = np.array([user_rng(seed, "phases", key).random() for key in index.keys.tolist()])
     phase = np.searchsorted(edges, draws, side="right")
     return np.where(phase < len(shares), phase, -1)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import secrets
 from typing import Iterator, List, Optional
 
-import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from ..seeding import derive_seed
 from ..validators import check_max_samples_per_user, check_users_per_batch, steps_per_epoch
 from .users import UserIndex
 
@@ -67,7 +67,7 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.seed = seed
         if generator is None:
             generator = torch.Generator()
-            generator.manual_seed(secrets.randbits(63) if seed is None else seed)  # unpredictable unless seeded
+            generator.manual_seed(secrets.randbits(63) if seed is None else derive_seed(seed, "sampling", 0))
         self.generator = generator
         self.num_replicas = num_replicas
         self.rank = rank
@@ -80,7 +80,7 @@ class UserPoissonSampler(Sampler[List[int]]):
         draws, and a run resumed at an epoch replays exactly that epoch's draws (transformers'
         Trainer calls this). Without a seed the stream just continues."""
         if self.seed is not None:
-            self.generator.manual_seed(int(np.random.SeedSequence([self.seed, int(epoch)]).generate_state(1)[0]))
+            self.generator.manual_seed(derive_seed(self.seed, "sampling", epoch))
 
     def sample_users(self) -> torch.Tensor:
         """One step's users (all ranks): Poisson with rate q, truncated to ``max_users_per_batch``."""

@@ -21,6 +21,7 @@ from datasets import load_from_disk
 from ..accountants import PrivacyReport
 from ..accountants.events import rr_keep_probability, rr_move_probability
 from ..data import DEFAULT_USER_COLUMN, bound_contributions
+from ..seeding import derive_seed
 from ..validators import check_epsilon, check_max_samples_per_user
 
 #: Column added to a privatized dataset: the per-label ε' it was privatized with. Its presence marks
@@ -117,7 +118,7 @@ class UserRandomizedResponse:
                 "would not be randomized: drop them before privatizing (TRL re-tokenizes the text columns)."
             )
         bounded, bounding = bound_contributions(dataset, self.max_samples_per_user, user_column=user_column, seed=self.seed)
-        rng = np.random.default_rng(None if self.seed is None else [self.seed, 1])
+        rng = np.random.default_rng(None if self.seed is None else derive_seed(self.seed, "randomized_response"))
         if label_column is not None:
             labels = np.asarray(bounded[label_column])
             if np.issubdtype(labels.dtype, np.floating) and np.isnan(labels).any():

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from typing import Optional
 
-from ..accountants.accountant import ACCOUNTANTS_BY_NAME
+from ..accountants.accountant import accountant_class
 from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_noise_multiplier, check_positive
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,7 @@ class UserDPArguments:
         if self.privacy_mechanism == "none":
             return
         check_max_samples_per_user(self.max_samples_per_user)
-        if self.accountant not in ACCOUNTANTS_BY_NAME:
-            raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS_BY_NAME)}, got {self.accountant!r}.")
+        accountant_class(self.accountant)
         if self.noise_multiplier is None or self.privacy_mechanism in ("aup", "randomized_response"):
             check_epsilon(self.target_epsilon, "target_epsilon")
         else:
