@@ -110,7 +110,8 @@ def test_two_processes_take_the_same_steps_as_one(case, clip, upb):
     with tempfile.TemporaryDirectory() as d:
         ranks = _spawn(Path(d), case)
     for r in ranks:
-        torch.testing.assert_close(r["updates"], single, rtol=1e-5, atol=1e-9)
+        # float32 sums in another order (per rank, then all-reduced): a few ulps of the update scale C/ñ
+        torch.testing.assert_close(r["updates"], single, rtol=1e-5, atol=1e-7)
     assert torch.equal(torch.cat([p.flatten() for p in ranks[0]["params"]]),
                        torch.cat([p.flatten() for p in ranks[1]["params"]]))  # replicas stay identical
     assert (single.abs().sum(1) > 0).sum() >= 3  # real, non-empty steps
