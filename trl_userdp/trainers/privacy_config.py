@@ -65,7 +65,8 @@ class UserDPArguments:
     privacy_seed: Optional[int] = dataclasses.field(
         default=None,
         metadata={"help": "Seeds the privacy randomness (label flips, user sampling, noise, AboveThreshold). Leave unset in "
-                          "deployment: anyone who knows the seed can replay the noise. (`seed` seeds the rest.)"},
+                          "deployment: anyone who knows the seed can replay the noise. Never saved: pickles of these "
+                          "arguments (training_args.bin) drop it and their JSON masks it. (`seed` seeds the rest.)"},
     )
     log_private_metrics: bool = dataclasses.field(
         default=False,
