@@ -63,3 +63,12 @@ def test_a_dataset_without_a_user_column_is_a_one_line_error(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("trl-userdp: error:") and "no user column 'user_id'" in last
     assert sum(line.startswith("trl-userdp: error") for line in proc.stderr.splitlines()) == 1
+
+
+def test_an_empty_dataset_file_is_a_one_line_error(tmp_path):
+    """It used to end in a bare StopIteration traceback from the json reader (issue 11, item 8)."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("")
+    proc = _run("reward", "--dataset", str(path), "--output_dir", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"trl-userdp: error: dataset file {str(path)!r} has no rows: there are no users to train on."

@@ -164,7 +164,11 @@ def _load_data(data: "DataArguments", user_column: str, for_dpo: bool = False):
     elif data.dataset.endswith((".json", ".jsonl", ".csv")):
         if not os.path.isfile(data.dataset):
             raise ValueError(f"dataset file {data.dataset!r} does not exist.")
-        dataset = load_dataset("csv" if data.dataset.endswith(".csv") else "json", data_files=data.dataset, split="train")
+        try:
+            dataset = load_dataset("csv" if data.dataset.endswith(".csv") else "json", data_files=data.dataset,
+                                   split="train")
+        except StopIteration:  # datasets' reader on a file with no rows
+            raise ValueError(f"dataset file {data.dataset!r} has no rows: there are no users to train on.") from None
     else:
         raise ValueError(f"dataset must be 'imdb', a saved dataset directory or a .json/.jsonl/.csv file, got {data.dataset!r}.")
     resolve_user_ids(dataset, user_column=user_column)  # fail before any model is loaded
