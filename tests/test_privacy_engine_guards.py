@@ -121,25 +121,65 @@ def test_a_noise_seed_keys_the_noise_by_step_so_a_resume_continues_it(tmp_path):
     draws exactly the noise of steps 4-6 of the uninterrupted run, never that of steps 1-3 (issue 11, item 3)."""
 
     def noise(engine, model, optimizer, loader, n):
-        out = []
+        out, users = [], []
         for batch in itertools.islice(itertools.chain.from_iterable(itertools.repeat(loader)), n):
             optimizer.zero_grad()
             (0.0 * _loss(model, batch)).backward()  # σ > 0, zero gradient: the update is the noise
+            users.append(sorted(set(loader.last_row_users.tolist())))
             before = model.weight.detach().clone()
             optimizer.step()
             out.append(before - model.weight.detach())
-        return out
+        return out, users
 
-    straight = noise(*_setup(noise_seed=5), 6)
+    straight, straight_users = noise(*_setup(noise_seed=5), 6)
     engine, model, optimizer, loader = _setup(noise_seed=5)
-    first = noise(engine, model, optimizer, loader, 3)
+    first, first_users = noise(engine, model, optimizer, loader, 3)
     path = os.path.join(tmp_path, "ckpt.pt")
     engine.save_checkpoint(path=path, module=model, optimizer=optimizer)
     engine2, model2, optimizer2, loader2 = _setup(noise_seed=5)
     engine2.load_checkpoint(path=path, module=model2, optimizer=optimizer2)
-    resumed = noise(engine2, model2, optimizer2, loader2, 3)
+    resumed, resumed_users = noise(engine2, model2, optimizer2, loader2, 3)
     assert all(torch.equal(a, b) for a, b in zip(first, straight[:3]))
     assert all(torch.equal(a, b) for a, b in zip(resumed, straight[3:]))
     assert not any(torch.equal(a, b) for a in resumed for b in first)
+    # the seeded sampling continues too: the users of steps 4-6, not a replay of steps 1-3
+    assert first_users == straight_users[:3] and resumed_users == straight_users[3:] != first_users
     with pytest.raises(ValueError, match="noise_seed"):
         _setup(noise_seed=5, noise_generator=torch.Generator())
+
+
+def test_a_checkpoint_is_checked_before_anything_is_loaded(tmp_path):
+    engine, model, optimizer, loader = _setup(noise_seed=1)
+    batch = next(b for b in loader if len(b[0]) > 0)
+    optimizer.zero_grad(); _loss(model, batch).backward(); optimizer.step()  # noqa: E702
+    path = os.path.join(tmp_path, "ckpt.pt")
+    engine.save_checkpoint(path=path, module=model, optimizer=optimizer)
+    with pytest.raises(ValueError, match="Call make_private_user_level first"):
+        trl_userdp.PrivacyEngine(accountant="rdp").load_checkpoint(path=path, module=nn.Linear(5, 1))
+    other, model2, optimizer2, _ = _setup(engine=trl_userdp.PrivacyEngine(accountant="pld"))  # another run's
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(ValueError, match="is not this run's"):
+        other.load_checkpoint(path=path, module=model2, optimizer=optimizer2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))  # the weights were not touched
+    assert other.accountant.steps_taken == 0
+
+
+def test_an_aup_engine_checkpoint_keeps_above_threshold_state(tmp_path):
+    from .test_adaptive_engine import _private, _train
+
+    aup = dict(upb=1000.0, n_users=2000, steps=4)  # ñ = 1000: no halt in a few queries (test_adaptive_engine.py)
+    engine, model, optimizer, loader = _private(**aup)
+    _train(model, optimizer, loader)
+    assert not optimizer.halted and optimizer.svt_queries == engine.accountant.steps_taken > 0
+    path = os.path.join(tmp_path, "aup.pt")
+    engine.save_checkpoint(path=path, module=model, optimizer=optimizer)
+    engine2, model2, optimizer2, _ = _private(**aup)
+    engine2.load_checkpoint(path=path, module=model2)
+    assert optimizer2.svt.noisy_threshold == optimizer.svt.noisy_threshold  # the run's threshold, not a new draw
+    assert optimizer2.svt_queries == optimizer.svt_queries and engine2.accountant.steps_taken == engine.accountant.steps_taken
+    state = torch.load(path, weights_only=True)
+    state["trl_userdp_optimizer_state"]["queries"] = 0
+    torch.save(state, path)
+    engine3, model3, _, _ = _private(**aup)
+    with pytest.raises(ValueError, match="0 AboveThreshold queries for"):
+        engine3.load_checkpoint(path=path, module=model3)

@@ -16,6 +16,12 @@ def load_plain(path: Any, **kwargs: Any) -> Any:
     try:
         return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{path} holds more than plain data (tensors, numbers, strings, containers), so it is not "
-                         f"loaded: a checkpoint must never run code ({first}).") from None
+                         f"loaded: a checkpoint must never run code ({_first_line(err)}).") from None
+    except (RuntimeError, EOFError) as err:  # truncated or not a torch file at all
+        raise ValueError(f"{path} is not a readable checkpoint ({_first_line(err)}).") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from itertools import chain
 from typing import IO, Any, BinaryIO, Dict, Optional, Sequence, Tuple, Union
 
@@ -47,6 +46,8 @@ from .validators import (
 )
 
 MECHANISMS = ("user_dpsgd", "group")
+#: Key of the private optimizer's own state in a checkpoint written by :meth:`PrivacyEngine.save_checkpoint`.
+OPTIMIZER_STATE_KEY = "trl_userdp_optimizer_state"
 GROUP_ACCOUNTING = ("conversion", "els")
 
 
@@ -256,9 +257,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 f"The {self.accountant.kind} accountant cannot account this mechanism under the "
                 f"{previous.relation!r} relation; use PrivacyEngine(accountant='pld')."
             )
-        if previous.history:  # e.g. a checkpoint loaded before make_private_user_level: keep counting
-            warnings.warn("The engine's accountant already has steps; they stay in the budget.")
-            self.accountant.history = list(previous.history)
 
     def _calibrate(self, epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
         return calibrate_noise_multiplier(
@@ -339,6 +337,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 f"{self.accountant.steps_taken} steps are already accounted. Stop training here."
             )
 
+    def save_checkpoint(self, *, path, module: nn.Module, optimizer: Optional[optim.Optimizer] = None,
+                        checkpoint_dict: Optional[Dict[str, Any]] = None, **kwargs) -> None:
+        """Opacus's ``save_checkpoint``, plus the private optimizer's own state (AUP-RLHF's AboveThreshold: a secret
+        of the mechanism; keep such checkpoints private)."""
+        checkpoint_dict = dict(checkpoint_dict or {})
+        if self.optimizer is not None:
+            checkpoint_dict[OPTIMIZER_STATE_KEY] = self.optimizer.privacy_state_dict()
+        super().save_checkpoint(path=path, module=module, optimizer=optimizer, checkpoint_dict=checkpoint_dict, **kwargs)
+
     def load_checkpoint(
         self,
         *,
@@ -350,13 +357,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
         module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
         torch_load_kwargs: Optional[Dict[str, Any]] = None,
     ) -> Dict:
-        """Opacus's ``load_checkpoint``, but a checkpoint is data, never code: it loads with
-        ``weights_only=True`` (Opacus's runs whatever a tampered pickle holds), and the restored accountant
-        must match this engine's configuration and, once :meth:`make_private_user_level` ran, its (σ, q)."""
+        """Opacus's ``load_checkpoint`` for a run set up by :meth:`make_private_user_level`, but a checkpoint is data,
+        never code (``weights_only=True``; Opacus's runs whatever a tampered pickle holds), and its privacy state is
+        checked against this run (:meth:`restore_privacy_state`) before anything is loaded."""
         checkpoint = load_plain(path, **(torch_load_kwargs or {}))
+        self.restore_privacy_state(checkpoint["privacy_accountant_state_dict"], checkpoint.get(OPTIMIZER_STATE_KEY, {}),
+                                   source=str(path))
         module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
-        self.accountant.load_state_dict(checkpoint["privacy_accountant_state_dict"])
-        self.check_restored_history()
         optimizer_state = checkpoint.pop("optimizer_state_dict", {})
         if optimizer is not None and optimizer_state:
             optimizer.load_state_dict(optimizer_state)
@@ -367,18 +374,30 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 scheduler.load_state_dict(scheduler_state)
         return checkpoint
 
-    def check_restored_history(self) -> None:
-        """Refuse a restored history whose steps ran at another (σ, q) than this run's: it was saved by
-        another run or edited (after :meth:`make_private_user_level`; before it there is nothing to compare)."""
+    def restore_privacy_state(self, accountant_state: Dict[str, Any], optimizer_state: Dict[str, Any], *,
+                              source: str = "checkpoint") -> None:
+        """Resume the privacy of a checkpoint in this run (after :meth:`make_private_user_level`): its accountant must
+        be this run's configuration with every step at this run's (σ, q), and the optimizer's own state must agree
+        with it (AUP-RLHF: one AboveThreshold query per accounted step); otherwise nothing is restored and it raises.
+        Then the sampling continues at the accounted step (with a seed: no replayed draws)."""
         if self.optimizer is None:
-            return
+            raise ValueError("Call make_private_user_level first: a checkpoint's privacy state is checked against the "
+                             "run it resumes.")
+        if len(getattr(self, "phase_accountants", ())) > 1:
+            raise ValueError("Checkpoints of a multi-phase AUP-RLHF run cannot be resumed; run the phases in one go.")
+        restored = self.accountant.spawn()
+        restored.load_state_dict(accountant_state)
         run = (self.optimizer.noise_multiplier, self.data_loader.sample_rate)
-        for sigma, q, n in self.accountant.history:
+        for sigma, q, n in restored.history:
             if not (math.isclose(sigma, run[0], rel_tol=1e-9) and math.isclose(q, run[1], rel_tol=1e-9)):
                 raise ValueError(
-                    f"The restored accountant holds {n} steps at σ={sigma:.6g}, q={q:.6g}, but this run's settings give "
-                    f"σ={run[0]:.6g}, q={run[1]:.6g}: the state belongs to another run or was edited; refusing to resume."
+                    f"{source}: the saved accountant holds {n} steps at σ={sigma:.6g}, q={q:.6g}, but this run's settings "
+                    f"give σ={run[0]:.6g}, q={run[1]:.6g}: the state belongs to another run or was edited; refusing to "
+                    "resume."
                 )
+        self.optimizer.load_privacy_state_dict(optimizer_state, accounted_steps=restored.steps_taken, source=source)
+        self.accountant.history = restored.history
+        self.data_loader.user_sampler.position = self.steps_accounted()
 
     def privacy_report(self, delta: float) -> PrivacyReport:
         """The :class:`PrivacyReport` of what has been spent so far, at ``delta``."""

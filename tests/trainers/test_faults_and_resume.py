@@ -246,14 +246,17 @@ def test_the_saved_model_folder_holds_no_secret_or_per_user_count(tmp_path):
     assert threshold is not None
     files = [f for f in os.listdir(tmp_path) if os.path.isfile(tmp_path / f)]
     assert "privacy_state.pt" not in files and "privacy_report.json" in files
-    for name in files:
-        raw = (tmp_path / name).read_bytes()
-        assert repr(threshold).encode() not in raw and str(seed).encode() not in raw, name
+    for name in files:  # the text files (report, configs, model card) as written; the pickle is read below
+        if name.endswith((".json", ".md", ".txt")):
+            text = (tmp_path / name).read_text()
+            assert repr(threshold) not in text and str(seed) not in text, name
     report = PrivacyReport.load(str(tmp_path))
     assert "rows_dropped" not in report.to_dict() and "noisy_threshold" not in report.to_json()
     saved_args = torch.load(tmp_path / "training_args.bin", weights_only=False)  # our own file, written just now
     assert saved_args.privacy_seed is None and trainer.args.privacy_seed == seed  # the run keeps its seed
-    assert str(seed) not in trainer.args.to_json_string()
+    assert str(seed) not in trainer.args.to_json_string() and str(seed) not in str(trainer.args)
+    assert str(seed) not in repr(trainer.args)
+    assert copy.deepcopy(trainer.args).privacy_seed == seed and copy.copy(trainer.args).privacy_seed == seed
     # the checkpoint keeps the threshold it needs to resume (named a checkpoint-only secret in the README)
     state = torch.load(tmp_path / "checkpoint-2" / "privacy_state.pt", weights_only=True)
     assert state["optimizer"]["noisy_threshold"] == threshold
@@ -316,3 +319,65 @@ def test_an_aup_checkpoint_with_edited_above_threshold_state_is_refused(tmp_path
                                   train_dataset=data)
     with pytest.raises(ValueError, match="0 AboveThreshold queries for 2 accounted steps"):
         trainer.train(resume_from_checkpoint=checkpoint)
+
+
+def test_a_truncated_privacy_state_is_a_one_line_refusal(tmp_path):
+    checkpoint = _checkpoint(tmp_path)
+    path = os.path.join(checkpoint, "privacy_state.pt")
+    with open(path, "r+b") as f:
+        f.truncate(40)
+    with pytest.raises(ValueError, match="is not a readable checkpoint"):
+        _resume(tmp_path, checkpoint)
+
+
+def test_aup_refuses_to_push_its_checkpoints(tmp_path):
+    with pytest.raises(ValueError, match="secret AboveThreshold threshold"):
+        UserDPRewardConfig(output_dir=str(tmp_path), privacy_mechanism="aup", concentration_radius=1.0,
+                           push_to_hub=True, hub_strategy="checkpoint", **COMMON)
+
+
+def test_kto_a_nan_row_does_not_rescale_other_users_gradients(tmp_path, monkeypatch):
+    """TRL's KTO averages with nanmean: a NaN row would leave the divisor and scale every other row's gradient by
+    B/(B − 1). Under DP the other users' per-user gradients are the same with or without the fault."""
+    from trl_userdp.optimizers.user_optimizer import UserDPOptimizer
+
+    from .test_kto import unpaired_dataset
+
+    real, seen = UserDPOptimizer.unit_gradients, []
+
+    def recording(self):
+        grads = real(self)
+        seen.append({u: torch.cat([g[i].flatten() for g in grads]) for i, u in enumerate(self.hooks.unit_ids)})
+        return grads
+
+    monkeypatch.setattr(UserDPOptimizer, "unit_gradients", recording)
+    tokenizer = tiny_tokenizer()
+    data = unpaired_dataset().to_dict()
+    bad = [i for i, u in enumerate(data["user_id"]) if u == BAD_USER]
+    for i in bad:
+        data["completion"][i] = " the movie was<unk>"
+    first_step = []
+    for poison in (False, True):
+        from trl_userdp.trainers import UserDPKTOConfig, UserDPKTOTrainer
+
+        policy = tiny_llama_lm(len(tokenizer))
+        reference = copy.deepcopy(policy)
+        if poison:  # the bad user's reference log-probs become NaN
+            with torch.no_grad():
+                reference.model.embed_tokens.weight[tokenizer.unk_token_id] = float("nan")
+        args = UserDPKTOConfig(output_dir=str(tmp_path / str(poison)), max_steps=1, loss_type="apo_zero_unpaired",
+                               **{**COMMON, **NOISELESS_EVERY_USER})
+        trainer = UserDPKTOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_dict(data),
+                                   processing_class=tokenizer)
+        seen.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            trainer.train()
+        first_step.append(seen[0])
+    clean, faulty = first_step
+    bad_code = trainer.privacy_engine.data_loader.user_index.keys.tolist().index(BAD_USER)
+    assert torch.count_nonzero(faulty[bad_code]) == 0 < torch.count_nonzero(clean[bad_code])  # zeroed, as NaN
+    others = [u for u in clean if u != bad_code]
+    assert len(others) == 7
+    for u in others:
+        assert torch.allclose(faulty[u], clean[u], rtol=1e-5, atol=1e-8), u

@@ -67,8 +67,12 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.seed = seed
         if generator is None:
             generator = torch.Generator()
-            generator.manual_seed(secrets.randbits(63) if seed is None else derive_seed(seed, "sampling", 0))
+            generator.manual_seed(secrets.randbits(63))  # unpredictable; with a seed, re-keyed at every step
         self.generator = generator
+        #: steps drawn so far (0-based index of the next one). With a seed, step t's draws come from
+        #: ``derive_seed(seed, "sampling", t)``, so setting it (the engine does on resume, to the accounted steps)
+        #: continues the run's stream instead of replaying it. Without a seed every draw is fresh OS randomness.
+        self.position = 0
         self.num_replicas = num_replicas
         self.rank = rank
 
@@ -76,11 +80,9 @@ class UserPoissonSampler(Sampler[List[int]]):
         return self.steps
 
     def set_epoch(self, epoch: int) -> None:
-        """With a seed, draw epoch ``epoch`` from its own stream (seed, epoch): every epoch gets fresh
-        draws, and a run resumed at an epoch replays exactly that epoch's draws (transformers'
-        Trainer calls this). Without a seed the stream just continues."""
-        if self.seed is not None:
-            self.generator.manual_seed(derive_seed(self.seed, "sampling", epoch))
+        """Continue at the first step of epoch ``epoch`` (transformers' Trainer calls this, then skips the steps a
+        resumed run already took): see :attr:`position`."""
+        self.position = int(epoch) * self.steps
 
     def sample_users(self) -> torch.Tensor:
         """One step's users (all ranks): Poisson with rate q, truncated to ``max_users_per_batch``."""
@@ -100,6 +102,9 @@ class UserPoissonSampler(Sampler[List[int]]):
 
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps):
+            if self.seed is not None:  # step t's users from (seed, t): a resumed run continues, never replays
+                self.generator.manual_seed(derive_seed(self.seed, "sampling", self.position))
+            self.position += 1
             users = self.sample_users()
             batch: List[int] = []
             for u in users.tolist():

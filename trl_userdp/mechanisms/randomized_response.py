@@ -30,8 +30,9 @@ PRIVATIZED_COLUMN = "rr_epsilon_per_label"
 #: Words that mark a column as derived from the labels (``chosen_input_ids``, ``margin``, ``score_rejected``),
 #: matched as whole words so that e.g. a ``labeller`` column is not mistaken for one.
 LABEL_WORDS = {"chosen", "rejected", "label", "labels", "score", "scores", "margin"}
-#: Folder (inside a run's output directory) holding the privatized dataset, drawn once per directory.
-OUTPUT_DIR = "randomized_response"
+#: Folder (inside a run's output directory) holding the privatized dataset, drawn once per directory. The
+#: leading underscore keeps it out of ``push_to_hub`` (transformers skips ``_*``): it holds user ids and texts.
+OUTPUT_DIR = "_randomized_response"
 
 
 class UserRandomizedResponse:

@@ -132,8 +132,7 @@ class UserDPOptimizer(DPOptimizer):
         out = [s / counts.to(s.device, s.dtype).view(-1, *([1] * (s.dim() - 1))) for s in all_sums]
         bad = self._non_finite_units(out)
         if self.self_check and n_units > 0 and self.hooks.micro_batches == 1:
-            if bad is None:  # autograd's gradient is NaN too while a unit is: check at a later step
-                self._self_check(all_sums)
+            if bad is None and self._self_check(all_sums):  # otherwise autograd's sum is not finite: a later step
                 self.self_check = self.hooks.record_row_norms = False
         if bad is not None:
             for g in out:
@@ -145,10 +144,9 @@ class UserDPOptimizer(DPOptimizer):
         optimizer, without saying whose gradient or how many: both are private."""
         if not unit_grads or unit_grads[0].shape[0] == 0:
             return None
-        # a sum over a unit's entries is NaN/inf iff an entry is (or the unit is so large that its norm overflows)
         bad = torch.zeros(unit_grads[0].shape[0], dtype=torch.bool, device=unit_grads[0].device)
         for g in unit_grads:
-            bad |= ~torch.isfinite(g.reshape(g.shape[0], -1).sum(1)).to(bad.device)
+            bad |= ~torch.isfinite(g).reshape(g.shape[0], -1).all(1).to(bad.device)
         if not bad.any():
             return None
         if not self._warned_non_finite:
@@ -162,19 +160,21 @@ class UserDPOptimizer(DPOptimizer):
             )
         return bad
 
-    def _self_check(self, sums: List[torch.Tensor]) -> None:
+    def _self_check(self, sums: List[torch.Tensor]) -> bool:
         """Refuse to train if the per-unit sums do not add up to autograd's gradient, ``Σ_u S_u / R = p.grad``.
 
         Float error is relative to the size of what was summed, so each parameter's tolerance is
         ``rtol · max(‖p.grad‖, Σ_r ‖row gradient‖ / R, ‖whole gradient‖ · √(numel_p / numel))`` with ``rtol`` set
         by the dtype's precision: the second term covers cancelling rows (a reward head's bias gets +g from the
         chosen row and −g from the rejected one), the third parameters whose true gradient is zero (BERT's key
-        bias: softmax ignores it), whose computed gradient is float noise of the layer's scale."""
+        bias: softmax ignores it), whose computed gradient is float noise of the layer's scale. Returns False, deferring
+        the check to a later step, when autograd's gradient is not finite although every user's is (a sum that
+        overflowed): there is nothing to compare to."""
         checked = [(p, s) for p, s in zip(self.params, sums) if p.grad is not None]
-        if not checked:
-            return
         rows = self.hooks.rows_seen
         whole = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad.float())) ** 2 for p, _ in checked))
+        if not math.isfinite(whole):  # autograd's sum overflowed (huge but finite users): nothing to compare to
+            return False
         numel = sum(p.numel() for p, _ in checked)
         for p, s in checked:
             expected = p.grad.reshape(p.shape).float()
@@ -183,17 +183,15 @@ class UserDPOptimizer(DPOptimizer):
             scale = max(float(torch.linalg.vector_norm(expected)), getattr(p, "_row_norm_sum", 0.0) / rows,
                         whole * math.sqrt(p.numel() / numel))
             if not err <= rtol * scale + 1e-12:
-                non_finite = "" if torch.isfinite(expected).all() else (
-                    " Autograd's gradient is not finite although every user's is: non-finite values (NaN data, an "
-                    "overflowing loss) arose outside any one user's rows.")
                 raise ValueError(
                     f"Self-check failed for {self._param_name(p)!r}: the per-user gradients add up to a different "
                     f"gradient than autograd's (relative error {err / max(scale, 1e-30):.2e}, tolerance {rtol:.1e} for "
                     f"{s.dtype}). Training would be wrong, so it stops here. Common causes: a forward that uses a "
                     "weight outside its module (fused or functional heads on tied embeddings, e.g. TRL's fused LM "
                     "head); non-reentrant gradient checkpointing; several backward passes per batch; a layer that "
-                    "mixes the rows of a batch." + non_finite
+                    "mixes the rows of a batch; non-finite values (NaN data) that reach several users' rows."
                 )
+        return True
 
     def key_randomness(self) -> None:
         """With ``noise_seed``: seed this step's noise from ``(noise_seed, step_index())``."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from typing import List
+import contextlib
+from typing import Iterator, List
 
+import torch
 from trl import KTOTrainer
 
 from .kto_config import UserDPKTOConfig
@@ -19,8 +21,28 @@ class UserDPKTOTrainer(UserDPTrainerMixin, KTOTrainer):
     config_class = UserDPKTOConfig
     rows_per_example = 1
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Under DP, KTO's row losses are averaged with a plain mean: TRL's ``nanmean`` would drop a NaN row from the
+        divisor, so one user's NaN data would rescale every other user's gradient (the user itself is then zeroed
+        by the optimizer, docs/privacy_model.md, "Faults")."""
+        context = _nan_rows_stay_in_the_mean() if self._dp_active else contextlib.nullcontext()
+        with context:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
     def dp_refusals(self, args) -> List[str]:
         if args.loss_type != "apo_zero_unpaired":
             return [f"loss_type={args.loss_type!r} estimates KTO's KL baseline from other examples of the batch (other "
                     "users' completions), which breaks the per-user bound: use loss_type='apo_zero_unpaired'."]
         return []
+
+
+@contextlib.contextmanager
+def _nan_rows_stay_in_the_mean() -> Iterator[None]:
+    """``Tensor.nanmean`` as ``Tensor.mean`` for the duration (KTO's loss has no hook for its reduction)."""
+    nanmean = torch.Tensor.nanmean
+    torch.Tensor.nanmean = torch.Tensor.mean
+    try:
+        yield
+    finally:
+        torch.Tensor.nanmean = nanmean

@@ -346,10 +346,8 @@ class UserDPTrainerMixin:
         this configuration's, at this run's (σ, q), and account every step the checkpoint took (steps go
         unaccounted only after the budget ran out or AboveThreshold halted)."""
         engine = self.privacy_engine
-        engine.accountant.load_state_dict(state["accountant"])
-        engine.check_restored_history()
+        engine.restore_privacy_state(state["accountant"], state.get("optimizer", {}), source=path)
         accounted = engine.steps_accounted()
-        engine.optimizer.load_privacy_state_dict(state.get("optimizer", {}), accounted_steps=accounted, source=path)
         finished = engine.optimizer.halted or not engine.budget_allows_step()
         if accounted > global_step or (accounted < global_step and not finished):
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import Optional
@@ -64,6 +65,7 @@ class UserDPArguments:
     )
     privacy_seed: Optional[int] = dataclasses.field(
         default=None,
+        repr=False,  # and masked in str() and to_dict(): see __str__
         metadata={"help": "Seeds the privacy randomness (label flips, user sampling, noise, AboveThreshold). Leave unset in "
                           "deployment: anyone who knows the seed can replay the noise. Never saved: pickles of these "
                           "arguments (training_args.bin) drop it and their JSON masks it. (`seed` seeds the rest.)"},
@@ -84,12 +86,30 @@ class UserDPArguments:
             d["privacy_seed"] = "<PRIVACY_SEED>"
         return d
 
+    def __str__(self) -> str:
+        """transformers' text of the arguments (logged by scripts), with the ``privacy_seed`` masked."""
+        text = super().__str__()
+        return text if self.privacy_seed is None else text.replace(f"privacy_seed={self.privacy_seed},",
+                                                                    "privacy_seed=<PRIVACY_SEED>,")
+
     def __getstate__(self):
         """Pickles (transformers' ``training_args.bin`` beside every saved model) leave out the ``privacy_seed``,
         which would let anyone replay the noise; a resumed run takes it from its own config."""
         state = dict(self.__dict__)
         state["privacy_seed"] = None
         return state
+
+    def __copy__(self):
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        """Copies in memory keep the seed (only pickles drop it)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def _validate_privacy_fields(self) -> None:
         if self.privacy_mechanism not in PRIVACY_MECHANISMS:
@@ -115,6 +135,10 @@ class UserDPArguments:
             self.include_num_input_tokens_seen = "no"
         if self.privacy_mechanism == "aup":
             check_positive(self.concentration_radius, "concentration_radius")
+            if self.push_to_hub and str(getattr(self.hub_strategy, "value", self.hub_strategy)) in (
+                    "checkpoint", "all_checkpoints"):
+                raise ValueError(f"hub_strategy={self.hub_strategy!r} would push checkpoints, whose privacy_state.pt "
+                                 "holds AUP-RLHF's secret AboveThreshold threshold: use hub_strategy='every_save' or 'end'.")
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 "gradient_accumulation_steps must be 1 under user-level DP: each optimizer step must use exactly one "
