@@ -200,9 +200,11 @@ def test_tau_from_public_users_makes_the_private_run_pass():
     assert tau > 0 and not hasattr(model.weight, "grad_sample")  # the hooks are gone again
     too_small = trl_userdp.propose_concentration_radius(model, loss, loader, coverage=0.05)
     assert too_small < tau
-    engine, model2, opt, private_loader = _private(tau=tau)
-    _train(model2, opt, private_loader)
-    assert not opt.halted
+    # ñ = 1000: Poisson fluctuations alone do not halt it (test_epsilon_is_the_gaussian_half…), so a halt would be τ's
+    engine, model2, opt, private_loader = _private(tau=tau, upb=1000.0, n_users=2000, steps=10)
+    for _ in range(5):  # 5 passes of round(1/q) = 2 steps: the planned 10
+        _train(model2, opt, private_loader)
+    assert not opt.halted and opt.svt_queries == engine.accountant.steps_taken == 10
 
 
 def _private_radius_loader(n_users=300, upb=60.0, seed=0):

@@ -27,8 +27,8 @@ STEPS = 5  # one pass over the loader: round(1/q) = round(30/6) steps
 def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB, stray_forward=False,
            sampling_seed=3, fault=None):
     """One pass of private steps; returns the engine, the model, the update of every step and the rows
-    this process saw at each step. ``fault``: user 3's rows get a NaN label (``"nan"``) or weight 0 (``"zero"``:
-    the same user with an exactly zero gradient)."""
+    this process saw at each step. ``fault``: the rows of users 0-9 get a NaN label (``"nan"``) or weight 0
+    (``"zero"``: the same users with an exactly zero gradient); some of them are sampled in any draw of 15 steps."""
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)  # different inits: the engine syncs them
     model = torch.nn.Linear(*dim)
     dataset, ids = _linear_task(n_users=N_USERS)
@@ -36,7 +36,7 @@ def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB
         dataset = TensorDataset(torch.randn(200, dim[0], generator=torch.Generator().manual_seed(1)), dataset.tensors[1])
     x, y = dataset.tensors
     weight = torch.ones(len(y))
-    faulty = torch.tensor(ids) == 3
+    faulty = torch.tensor(ids) < 10
     if fault == "nan":
         y = torch.where(faulty, float("nan"), y)
     elif fault == "zero":
