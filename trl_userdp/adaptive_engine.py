@@ -212,7 +212,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         report.max_grad_norm = None
         report.concentration_radius = opt.concentration_radius
         report.steps = sum(self.phase_steps)
-        report.steps_taken = sum(acc.steps_taken for acc in self.phase_accountants)
+        report.steps_taken = self.steps_accounted()
         report.extra.update(
             {
                 "svt_epsilon": self.svt_epsilon if any(opt.svt_queries_by_phase) else 0.0,
