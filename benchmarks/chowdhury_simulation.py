@@ -27,7 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
-from trl_userdp.linear import generate_btl_data, mle, objective_perturbation, rr_debiased_mle, sgd_rr
+from trl_userdp.experiments.linear import generate_btl_data, mle, objective_perturbation, rr_debiased_mle, sgd_rr
 from trl_userdp.mechanisms import UserRandomizedResponse
 
 ESTIMATORS = ("non-private MLE", "central: objective perturbation", "local: RR de-biased MLE", "local: SGD-RR")

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
-from trl_userdp.linear import generate_btl_data, rr_debiased_mle, sample_theta_star
+from trl_userdp.experiments.linear import generate_btl_data, rr_debiased_mle, sample_theta_star
 from trl_userdp.mechanisms import UserRandomizedResponse
 
 

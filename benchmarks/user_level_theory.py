@@ -35,8 +35,8 @@ from scipy import stats
 from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
-from trl_userdp.accountants import calibrate_noise_multiplier, poisson_gaussian_event
-from trl_userdp.linear import (
+from trl_userdp.accountants.events import PoissonGaussian
+from trl_userdp.experiments.linear import (
     aup_rlhf,
     generate_btl_data,
     group_dpsgd,
@@ -105,8 +105,8 @@ def noise_table(ms: Sequence[int], epsilons: Sequence[float], total_pairs: int =
             q = n_tilde / n
             steps = check_steps(None, epochs, q)  # the engine's plan: ceil(E·round(1/q))
             n_max = aup.default_max_users_per_batch(n_tilde)
-            sigma_user = calibrate_noise_multiplier(lambda s: poisson_gaussian_event(s, q, steps), target_epsilon=eps,
-                                                    target_delta=DELTA, accountant="pld", relation=RELATION, tol=1e-3)
+            sigma_user = PoissonGaussian().calibrate(eps, DELTA, sample_rate=q, steps=steps, accountant="pld",
+                                                     relation=RELATION, tol=1e-3)
             _, eps_gauss, delta_gauss = aup.split_budget(eps, DELTA, svt_fraction=0.5)
             sigma_aup = aup.gaussian_noise_multiplier(eps_gauss, delta_gauss, sample_rate=q, steps=steps, n_users=n,
                                                       max_users_per_batch=n_max, relation=RELATION, tol=1e-3)

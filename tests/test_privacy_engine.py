@@ -109,6 +109,27 @@ def test_target_epsilon_calibrates_and_the_budget_guard_stops_at_the_plan():
     assert 2.97 <= engine.get_epsilon(1e-5) <= 3.0
 
 
+def test_the_epsilon_entry_point_calibrates_as_the_sigma_one_does_with_a_target_alone():
+    """make_private_user_level_with_epsilon (as Opacus's make_private_with_epsilon) is the ε-targeted entry; its σ is
+    the smallest one within the target over the plan, the same the σ entry calibrates from a target alone."""
+    plan = dict(target_epsilon=3.0, target_delta=1e-5, steps=12, max_samples_per_user=5, users_per_batch=6)
+    dataset, user_ids = _linear_task()
+    model = torch.nn.Linear(5, 1)
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    _, optimizer, loader = engine.make_private_user_level_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
+        max_grad_norm=1.0, user_ids=user_ids, **plan)
+    reference, _, reference_optimizer, _ = _private_linear(**plan)
+    sigma = optimizer.noise_multiplier
+    assert sigma == reference_optimizer.noise_multiplier and engine.budget == (3.0, 1e-5) and engine.planned_steps == 12
+    q = 6 / 30
+    eps = lambda s: rdp.RdpAccountant(orders=RDP_ORDERS).compose(  # noqa: E731
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), 12)).get_epsilon(1e-5)
+    assert eps(sigma) <= 3.0 < eps(sigma * 0.999)
+    with pytest.raises(ValueError, match="calibrates σ; to fix σ use make_private_user_level"):
+        trl_userdp.PrivacyEngine().make_private_user_level_with_epsilon(noise_multiplier=1.0, **plan)
+
+
 def test_a_plan_in_epochs_is_exactly_that_many_passes_over_the_loader():
     """q = 6/26 is not 1/k: a pass is round(1/q) = 4 steps, so 5 epochs are 20 steps, all affordable."""
     engine, model, optimizer, loader = _private_linear(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -21,16 +21,16 @@ from torch import nn, optim
 from torch.utils.data import DataLoader
 
 from . import distributed
-from .accountants import DPAccountingAccountant, PrivacyReport
-from .data import DEFAULT_USER_COLUMN, PhasedUserDataLoader, UserDataLoader, bound_contributions, resolve_user_ids
+from .accountants import DPAccountingAccountant
+from .data import DEFAULT_USER_COLUMN, PhasedUserDataLoader, UserDataLoader, resolve_user_ids
 from .data.phases import assign_phases, phase_datasets, phase_shares
 from .grad_sample import UserGradSampleHooks
 from .mechanisms import aup
-from .mechanisms.aup import default_max_users_per_batch, pairwise_distances
+from .mechanisms.aup import AUPRLHF, default_max_users_per_batch, pairwise_distances
 from .optimizers.aup_optimizer import AUPOptimizer
 from .privacy_engine import PrivacyEngine
 from .seeding import derive_seed
-from .validators import check_positive, check_steps, warn_if_delta_is_large
+from .validators import check_positive, check_steps
 
 
 class AdaptiveUserPrivacyEngine(PrivacyEngine):
@@ -41,6 +41,8 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
     phases (Alg. 1) each phase has its own accountant; the phases' users are disjoint, so the run's
     ε is the largest phase's (parallel composition).
     """
+
+    adaptive = True
 
     def __init__(self, *, secure_mode: bool = False, neighboring_relation: str = "add_or_remove"):
         super().__init__(accountant="pld", secure_mode=secure_mode, neighboring_relation=neighboring_relation)
@@ -98,6 +100,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         would cross a phase boundary early). On ⊥ the optimizer halts, the loader stops, and
         :meth:`privacy_report` says at which query.
         """
+        mech = self._resolve_mechanism(AUPRLHF())
         check_positive(concentration_radius, "concentration_radius")
         self._check_target(target_epsilon, target_delta, epochs, steps)
         if not 0 <= radius_epsilon < target_epsilon:
@@ -114,11 +117,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             raise ValueError("AUP-RLHF compares every sampled user's gradient with every other's (the concentration "
                              "score): it runs in one process; use PrivacyEngine for data-parallel user-wise DP-SGD.")
         n_max = default_max_users_per_batch(users_per_batch) if max_users_per_batch is None else int(max_users_per_batch)
-
-        bounded, self.bounding = bound_contributions(
-            data_loader.dataset, m, user_column=user_column, user_ids=user_ids, seed=bounding_seed
-        )
-        warn_if_delta_is_large(target_delta, self.bounding.n_users)
+        bounded = self._bound(data_loader, m, user_ids, user_column, bounding_seed, target_delta)
         index = resolve_user_ids(bounded, user_column=user_column)
         phase_of_user = assign_phases(index, shares, bounding_seed)
         sizes = np.bincount(phase_of_user[phase_of_user >= 0], minlength=phases)
@@ -128,18 +127,19 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
                 f"{users_per_batch} users; use fewer phases, phase_users='all' or a smaller users_per_batch."
             )
         used = int(sizes.sum())
+        options = self._loader_options(data_loader, rows_per_example, user_column, sampling_seed, user_key)
         loaders = []
         for i, dataset in enumerate(phase_datasets(bounded, index, phase_of_user, phases)):
             q = users_per_batch / int(sizes[i])
             t = check_steps(None, epochs, q) if steps is None else max(1, int(round(check_steps(steps, None, q) * sizes[i] / used)))
+            options.update(seed=None if sampling_seed is None else _phase_seed(sampling_seed, i, phases))
             loaders.append(UserDataLoader(
-                dataset, users_per_batch=users_per_batch, user_column=user_column, max_samples_per_user=m,
-                collate_fn=data_loader.collate_fn, rows_per_example=rows_per_example,
+                dataset, users_per_batch=users_per_batch, max_samples_per_user=m, max_users_per_batch=n_max,
                 steps=t if phases > 1 else None,  # one phase: epochs of round(1/q) steps, as without phases
-                max_users_per_batch=n_max, seed=None if sampling_seed is None else _phase_seed(sampling_seed, i, phases),
-                user_key=user_key, num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory,
+                **options,
             ))
-            self._install_accountant(q, truncation=(int(sizes[i]), n_max))
+            self._install_accountant(q, mech.step_event(max_samples_per_user=m, n_users=int(sizes[i]),
+                                                        max_users_per_batch=n_max))
             self.phase_accountants.append(self.accountant)
             self.phase_steps.append(t)
             self.phase_noise_multipliers.append(aup.gaussian_noise_multiplier(
@@ -147,24 +147,13 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
                 relation=self.accountant.relation))
         self._calibrated = True
         self.accountant = self.phase_accountants[0]
-        hooks = self._attach_hooks(module, grad_sample_mode)
-        dp_optimizer = AUPOptimizer(
-            optimizer,
-            noise_multiplier=self.phase_noise_multipliers[0],
-            concentration_radius=concentration_radius,
-            expected_batch_size=loaders[0].users_per_batch,
-            max_users_per_batch=n_max,
-            epsilon=run_epsilon,
-            delta=target_delta,
-            steps=self.phase_steps[0],
-            svt_epsilon=self.svt_epsilon,
-            hooks=hooks,
-            generator=self.secure_rng if self.secure_mode else noise_generator,
-            noise_seed=noise_seed,
-            step_index=None if noise_seed is None else self.steps_accounted,
-            secure_mode=self.secure_mode,
-            self_check=self_check,
+        dp_optimizer = self._make_optimizer(
+            mech.optimizer_class(1), optimizer, module, grad_sample_mode,
+            noise_generator=noise_generator, noise_seed=noise_seed, self_check=self_check,
             budget_guard=self._check_budget,
+            noise_multiplier=self.phase_noise_multipliers[0], concentration_radius=concentration_radius,
+            expected_batch_size=loaders[0].users_per_batch, max_users_per_batch=n_max, epsilon=run_epsilon,
+            delta=target_delta, steps=self.phase_steps[0], svt_epsilon=self.svt_epsilon,
             average_iterates=average_iterates,
         )
         self.phase_users = phase_users
@@ -175,16 +164,14 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             loader = PhasedUserDataLoader(loaders, per_iteration)
             loader.add_phase_callback(self._start_phase)
         loader.stop_when = lambda: dp_optimizer.halted
-        self._finish(module, dp_optimizer, loader, "aup", self.phase_steps[0], tuple(gaussian_budget))
-        dp_optimizer.attach_step_hook(self._account_step)  # the current phase's accountant at the current rate
-        return module, dp_optimizer, loader
+        return self._finish(module, dp_optimizer, loader, mech, self.phase_steps[0], tuple(gaussian_budget))
+
+    #: the ε-targeted entry point is this one (the budget is always required)
+    make_private_user_level_with_epsilon = make_private_user_level
 
     def steps_accounted(self) -> int:
         """Steps accounted over all phases."""
         return sum(acc.steps_taken for acc in self.phase_accountants)
-
-    def _account_step(self, optimizer: AUPOptimizer) -> None:
-        self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=self.data_loader.sample_rate)
 
     def _start_phase(self, phase: int) -> None:
         """Switch optimizer, accountant and budget guard to ``phase`` (called by the phased loader)."""
@@ -206,14 +193,11 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         ``radius_epsilon``."""
         return max(self._phase_epsilons(delta), default=0.0)
 
-    def privacy_report(self, delta: float) -> PrivacyReport:
-        report = super().privacy_report(delta)
+    def _report_fields(self, delta: float) -> Dict[str, Any]:
+        fields = super()._report_fields(delta)
         opt: AUPOptimizer = self.optimizer
-        report.max_grad_norm = None
-        report.concentration_radius = opt.concentration_radius
-        report.steps = sum(self.phase_steps)
-        report.steps_taken = self.steps_accounted()
-        report.extra.update(
+        fields.update(max_grad_norm=None, concentration_radius=opt.concentration_radius, steps=sum(self.phase_steps))
+        fields["extra"].update(
             {
                 "svt_epsilon": self.svt_epsilon if any(opt.svt_queries_by_phase) else 0.0,
                 "radius_epsilon": self.radius_epsilon,
@@ -230,14 +214,14 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
             }
         )
         if len(self.phase_steps) > 1:
-            report.extra["phases"] = [
+            fields["extra"]["phases"] = [
                 {"n_users": loader.n_users, "sample_rate": loader.sample_rate, "noise_multiplier": sigma,
                  "steps": t, "steps_taken": acc.steps_taken, "epsilon": eps}
                 for loader, sigma, t, acc, eps in zip(self.data_loader.loaders, self.phase_noise_multipliers,
                                                       self.phase_steps, self.phase_accountants,
                                                       self._phase_epsilons(delta))
             ]
-        return report
+        return fields
 
 
 def propose_concentration_radius(

@@ -28,37 +28,28 @@ class AccountArguments:
 
 
 def _walkthrough_rows(args: AccountArguments, progress: Callable) -> List[Dict[str, float]]:
-    from .accountants import (
-        calibrate_noise_multiplier,
-        compute_epsilon,
-        els_event,
-        poisson_gaussian_event,
-    )
-    from .accountants.events import rr_move_probability
-    from .accountants.accountant import COARSE_DISCRETIZATION  # the engine's ELS grid: coarser over-states σ
+    """σ of each mechanism for each ε, from the same accounting events (and grids) the engines train with."""
+    from .accountants.events import ELSGaussian, GroupPrivacyGaussian, PoissonGaussian, rr_move_probability
     from .mechanisms import aup
 
     q = args.users_per_batch / args.n_users
     steps = check_steps(args.steps, None if args.steps is not None else args.epochs, q)
     m = args.max_samples_per_user
-    user_event = lambda s: poisson_gaussian_event(s, q, steps)  # noqa: E731 - q over users
-    # Group privacy samples records at the same rate: ñ·m of the n·m records per step in expectation.
-    els = lambda s: els_event(s, q, steps, m)  # noqa: E731
+    plan = dict(sample_rate=q, steps=steps)  # group privacy samples records at the users' rate q
     rows = []
     for eps in args.epsilons:
-        cal = dict(target_epsilon=eps, target_delta=args.delta, tol=1e-3)
+        cal = dict(target_epsilon=eps, target_delta=args.delta, tol=1e-3, **plan)
         row = {"epsilon": eps}
         progress(f"ε={eps}: user-wise DP-SGD (RDP)")
-        row["user_rdp"] = calibrate_noise_multiplier(user_event, accountant="rdp", **cal)
+        row["user_rdp"] = PoissonGaussian().calibrate(accountant="rdp", **cal)
         progress(f"ε={eps}: user-wise DP-SGD (PLD)")
-        row["user_pld"] = calibrate_noise_multiplier(user_event, accountant="pld", **cal)
-        row["user_pld_replace_eps"] = compute_epsilon(
-            user_event(row["user_pld"]), args.delta, accountant="pld", relation="replace"
-        )
+        row["user_pld"] = PoissonGaussian().calibrate(accountant="pld", **cal)
+        row["user_pld_replace_eps"] = PoissonGaussian().epsilon(
+            [(row["user_pld"], q, steps)], args.delta, accountant="pld", relation="replace")
         progress(f"ε={eps}: group privacy")
-        row["group_pld"] = calibrate_noise_multiplier(user_event, accountant="pld", group_size=m, **cal)
+        row["group_pld"] = GroupPrivacyGaussian(m).calibrate(accountant="pld", **cal)
         progress(f"ε={eps}: ELS")
-        row["els_pld"] = calibrate_noise_multiplier(els, accountant="pld", value_discretization_interval=COARSE_DISCRETIZATION, **cal)
+        row["els_pld"] = ELSGaussian(m).calibrate(accountant="pld", **cal)
         progress(f"ε={eps}: AUP Gaussian half")
         _, eps_gauss, delta_gauss = aup.split_budget(eps, args.delta, svt_fraction=0.5)
         row["aup_half"] = aup.gaussian_noise_multiplier(  # what AdaptiveUserPrivacyEngine trains with
@@ -155,7 +146,7 @@ def _load_data(data: "DataArguments", user_column: str, for_dpo: bool = False):
     from .data import resolve_user_ids
 
     if data.dataset == "imdb":
-        from .pipeline.sentiment import imdb_preference_dataset
+        from .experiments.pipeline.sentiment import imdb_preference_dataset
 
         return imdb_preference_dataset(data.n_users, data.pairs_per_user, prompt="Review:" if for_dpo else None,
                                        user_column=user_column)
@@ -223,7 +214,7 @@ def dpo(data: "DataArguments", config) -> int:
 
     dataset = _load_data(data, config.user_column, for_dpo=True)
     if data.model_name_or_path in ("tiny", "minilm"):
-        from .pipeline.sentiment import small_causal_lm
+        from .experiments.pipeline.sentiment import small_causal_lm
 
         model, tokenizer = small_causal_lm(list(dataset["chosen"]) + list(dataset["rejected"]), seed=config.seed)
     else:
@@ -243,8 +234,8 @@ def rl(rl_args: "RLArguments", config) -> int:
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from .data.imdb import load_imdb_reviews
-    from .pipeline.sentiment import _snippet
+    from .experiments.imdb import load_imdb_reviews
+    from .experiments.pipeline.sentiment import _snippet
     from .trainers import UserDPGRPOTrainer
 
     texts, _ = load_imdb_reviews()
@@ -262,8 +253,8 @@ def rl(rl_args: "RLArguments", config) -> int:
 
 
 def pipeline(args) -> int:
-    """The paper's controlled-sentiment experiment in miniature (see trl_userdp.pipeline.sentiment)."""
-    from .pipeline import run_pipeline
+    """The paper's controlled-sentiment experiment in miniature (see trl_userdp.experiments.pipeline.sentiment)."""
+    from .experiments.pipeline import run_pipeline
 
     run_pipeline(args)
     return 0
@@ -273,7 +264,7 @@ def _types(name: str) -> List[type]:
     if name == "account":
         return [AccountArguments]
     if name == "pipeline":
-        from .pipeline import PipelineArguments
+        from .experiments.pipeline import PipelineArguments
 
         return [PipelineArguments]
     from trl import GRPOConfig

@@ -1,17 +1,11 @@
 """``trl_userdp.PrivacyEngine``: Opacus's ``PrivacyEngine`` with ``make_private_user_level``.
 
-Mechanisms (docs/mechanisms.md):
-
-* ``"user_dpsgd"`` (M1): users are Poisson-sampled with ``q = users_per_batch / n_users``; each
-  user's averaged gradient is clipped to C; noise ``N(0, σ²C²)``; division by ``users_per_batch``.
-  Accounted as ``T`` Poisson-subsampled Gaussian steps at rate q (add/remove one user).
-* ``"group"`` (M2): the item-level baseline. Records (pairs) are Poisson-sampled at the same q,
-  each record's gradient is clipped, and the user-level guarantee comes from group privacy over
-  the ``m`` records of a user (``group_accounting="conversion"``) or from ELS accounting
-  (``"els"``, Charles et al. 2024, PLD only).
-
-Every privacy number comes from dp-accounting through the accountants of
-:mod:`trl_userdp.accountants`.
+The mechanism (``"user_dpsgd"``, ``"group"``, or a :class:`~trl_userdp.mechanisms.GradientMechanism` object)
+supplies the loader, the optimizer class, the accounting event and the report name
+(:mod:`trl_userdp.mechanisms`; math in docs/mechanisms.md); the engine does the rest in one set-up path shared
+with :class:`~trl_userdp.AdaptiveUserPrivacyEngine`: model checks, contribution bounding, the accountant, σ,
+the hooks, the optimizer, and the step hook that accounts each step. Every privacy number comes from
+dp-accounting through the accountants of :mod:`trl_userdp.accountants`.
 """
 
 from __future__ import annotations
@@ -26,14 +20,16 @@ import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
-from .accountants import DPAccountingAccountant, PrivacyReport, calibrate_noise_multiplier
-from .checkpoints import load_plain
+from .accountants import DPAccountingAccountant, PrivacyReport
 from .accountants.accountant import accountant_class
+from .accountants.events import StepEvent
+from .checkpoints import load_plain
 from .data import DEFAULT_USER_COLUMN, UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
 from .grad_sample import UserGradSampleHooks, check_module, supply_position_ids
 from . import distributed
-from .optimizers import DistributedUserDPOptimizer, PrivacyBudgetExhausted, UserDPOptimizer
+from .mechanisms import GradientMechanism, get_mechanism
+from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer
 from .validators import (
     check_delta,
     check_epsilon,
@@ -41,14 +37,11 @@ from .validators import (
     check_noise_multiplier,
     check_positive,
     check_steps,
-    steps_per_epoch,
     warn_if_delta_is_large,
 )
 
-MECHANISMS = ("user_dpsgd", "group")
 #: Key of the private optimizer's own state in a checkpoint written by :meth:`PrivacyEngine.save_checkpoint`.
 OPTIMIZER_STATE_KEY = "trl_userdp_optimizer_state"
-GROUP_ACCOUNTING = ("conversion", "els")
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -61,11 +54,14 @@ class PrivacyEngine(opacus.PrivacyEngine):
         neighboring_relation: ``"add_or_remove"`` (default) or ``"replace"`` one user (PLD only).
     """
 
+    #: sets up the mechanisms marked ``adaptive`` (AUP-RLHF) instead of the others
+    adaptive = False
+
     def __init__(self, *, accountant: str = "pld", secure_mode: bool = False, neighboring_relation: str = "add_or_remove"):
         cls = accountant_class(accountant)
         super().__init__(accountant=cls.mechanism(), secure_mode=secure_mode)
         self.accountant: DPAccountingAccountant = cls(relation=neighboring_relation)
-        self.mechanism: Optional[str] = None
+        self.mechanism: Optional[GradientMechanism] = None
         self.bounding: Optional[BoundingReport] = None
         self.hooks: Optional[UserGradSampleHooks] = None
         self.optimizer: Optional[UserDPOptimizer] = None
@@ -93,7 +89,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         steps: Optional[int] = None,
         user_ids: Optional[Sequence[Any]] = None,
         user_column: str = DEFAULT_USER_COLUMN,
-        mechanism: str = "user_dpsgd",
+        mechanism: Union[str, GradientMechanism] = "user_dpsgd",
         group_accounting: str = "conversion",
         rows_per_example: int = 1,
         bounding_seed: Optional[int] = 0,
@@ -104,17 +100,18 @@ class PrivacyEngine(opacus.PrivacyEngine):
         grad_sample_mode: str = "hooks",
         user_key: Optional[str] = None,
     ) -> Tuple[nn.Module, UserDPOptimizer, UserDataLoader]:
-        """Make ``(module, optimizer, data_loader)`` user-level private.
+        """Make ``(module, optimizer, data_loader)`` user-level private at noise multiplier σ.
 
-        Give ``noise_multiplier``, or ``target_epsilon`` + ``target_delta`` + ``epochs``/``steps`` (σ is
-        then calibrated with this engine's accountant for that many steps), or both ``noise_multiplier``
-        and ``target_epsilon``/``target_delta`` (σ fixed, ε capped). With a target the optimizer refuses
-        any step that would exceed it (:meth:`budget_allows_step`). ``data_loader`` supplies the dataset and collate function; it is replaced by a
-        :class:`~trl_userdp.data.UserDataLoader` over the contribution-bounded dataset (at most
-        ``max_samples_per_user`` rows per user, a seeded draw). ``user_ids`` (one per row) or a
-        ``user_column`` of a ``datasets.Dataset`` say who wrote each row; ``rows_per_example=2`` for
-        collators that emit ``[chosen; rejected]`` rows, stacked in two blocks (row i and row B + i are
-        one example, as in TRL; an interleaved layout would be mis-assigned and is not detectable).
+        ``noise_multiplier`` fixes σ; with ``target_epsilon``/``target_delta`` as well, ε is capped: the optimizer
+        refuses any step that would exceed it (:meth:`budget_allows_step`). Without ``noise_multiplier`` this is
+        :meth:`make_private_user_level_with_epsilon` (σ calibrated to the target over ``epochs``/``steps``).
+        ``mechanism``: ``"user_dpsgd"`` (M1), ``"group"`` (M2, with ``group_accounting`` ``"conversion"`` or
+        ``"els"``) or a :class:`~trl_userdp.mechanisms.GradientMechanism` object. ``data_loader`` supplies the
+        dataset and collate function; it is replaced by a :class:`~trl_userdp.data.UserDataLoader` over the
+        contribution-bounded dataset (at most ``max_samples_per_user`` rows per user, a seeded draw). ``user_ids``
+        (one per row) or a ``user_column`` of a ``datasets.Dataset`` say who wrote each row; ``rows_per_example=2``
+        for collators that emit ``[chosen; rejected]`` rows, stacked in two blocks (row i and row B + i are one
+        example, as in TRL; an interleaved layout would be mis-assigned and is not detectable).
         The noise comes from ``noise_generator``, or with ``noise_seed`` from a generator keyed by (seed, step),
         which a resumed run continues instead of replaying (default: seeded from the OS).
         Every batch the loader yields must be used by one ``optimizer.step()``. With ``user_key`` the
@@ -128,59 +125,67 @@ class PrivacyEngine(opacus.PrivacyEngine):
         the :class:`~trl_userdp.optimizers.UserDPOptimizer` and the loader. One epoch is
         ``round(1/q)`` steps.
         """
-        if mechanism not in MECHANISMS:
-            raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}.")
-        if group_accounting not in GROUP_ACCOUNTING:
-            raise ValueError(f"group_accounting must be one of {GROUP_ACCOUNTING}, got {group_accounting!r}.")
+        mech = self._resolve_mechanism(mechanism, group_accounting=group_accounting)
         check_positive(max_grad_norm, "max_grad_norm")
-        if noise_multiplier is None and target_epsilon is None:
-            raise ValueError("Give `noise_multiplier`, or `target_epsilon` with `target_delta` (or both: a fixed σ with a cap).")
         if noise_multiplier is None:
+            if target_epsilon is None:
+                raise ValueError("Give `noise_multiplier`, or `target_epsilon` with `target_delta` (or both: a fixed σ "
+                                 "with a cap); make_private_user_level_with_epsilon takes the target alone.")
             self._check_target(target_epsilon, target_delta, epochs, steps)
         else:
             check_noise_multiplier(noise_multiplier)
             if target_epsilon is not None:
                 check_epsilon(target_epsilon)
                 check_delta(target_delta)
-        if mechanism == "group" and group_accounting == "els" and self.accountant.kind != "pld":
-            raise ValueError("ELS accounting needs the PLD accountant: PrivacyEngine(accountant='pld').")
         m = self._check_model(module, optimizer, grad_sample_mode, max_samples_per_user)
         bounding_seed, sampling_seed = self._join_processes(module, bounding_seed, sampling_seed)
-
-        loader, expected_units = self._make_loader(
-            data_loader, mechanism, m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
-            sampling_seed, user_key=user_key,
+        bounded = self._bound(data_loader, m, user_ids, user_column, bounding_seed, target_delta)
+        loader, expected_units = mech.make_loader(
+            bounded, n_users=self.bounding.n_users, users_per_batch=users_per_batch, max_samples_per_user=m,
+            **self._loader_options(data_loader, rows_per_example, user_column, sampling_seed, user_key),
         )
-        if target_delta is not None:
-            warn_if_delta_is_large(target_delta, self.bounding.n_users)
-        self._install_accountant(
-            loader.sample_rate,
-            group_size=m if mechanism == "group" else None,
-            els=mechanism == "group" and group_accounting == "els",
-        )
+        self._install_accountant(loader.sample_rate, mech.step_event(max_samples_per_user=m, n_users=self.bounding.n_users))
         total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, loader.sample_rate)
         self._calibrated = noise_multiplier is None
         if self._calibrated:
-            noise_multiplier = self._calibrate(target_epsilon, target_delta, loader.sample_rate, total_steps)
-        hooks = self._attach_hooks(module, grad_sample_mode)
-        optimizer_class = DistributedUserDPOptimizer if distributed.world_size() > 1 else UserDPOptimizer
-        dp_optimizer = optimizer_class(
-            optimizer,
-            noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm,
-            expected_batch_size=expected_units,
-            hooks=hooks,
-            generator=self.secure_rng if self.secure_mode else noise_generator,
-            noise_seed=noise_seed,
-            step_index=None if noise_seed is None else self.steps_accounted,
-            secure_mode=self.secure_mode,
-            self_check=self_check,
+            noise_multiplier = self.accountant.calibrate(target_epsilon, target_delta, sample_rate=loader.sample_rate,
+                                                         steps=total_steps)
+        dp_optimizer = self._make_optimizer(
+            mech.optimizer_class(distributed.world_size()), optimizer, module, grad_sample_mode,
+            noise_generator=noise_generator, noise_seed=noise_seed, self_check=self_check,
             budget_guard=self._check_budget if target_epsilon is not None else None,
+            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_units,
         )
         budget = None if target_epsilon is None else (target_epsilon, target_delta)
-        return self._finish(module, dp_optimizer, loader, mechanism, total_steps, budget)
+        return self._finish(module, dp_optimizer, loader, mech, total_steps, budget)
 
-    # -- pieces shared with AdaptiveUserPrivacyEngine ------------------------------------------
+    def make_private_user_level_with_epsilon(
+        self, *, target_epsilon: float, target_delta: float, epochs: Optional[float] = None,
+        steps: Optional[int] = None, **kwargs: Any,
+    ) -> Tuple[nn.Module, UserDPOptimizer, UserDataLoader]:
+        """As Opacus's ``make_private_with_epsilon``: σ is the smallest noise multiplier for which ``epochs`` or
+        ``steps`` steps at this run's user sampling rate meet ``(target_epsilon, target_delta)`` with this engine's
+        accountant (it needs the bounded dataset's user count, so it is found during set-up), and the optimizer
+        refuses any step past the target. ``kwargs``: those of :meth:`make_private_user_level` but ``noise_multiplier``."""
+        if "noise_multiplier" in kwargs:
+            raise ValueError("make_private_user_level_with_epsilon calibrates σ; to fix σ use make_private_user_level.")
+        self._check_target(target_epsilon, target_delta, epochs, steps)
+        return self.make_private_user_level(target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
+                                            steps=steps, **kwargs)
+
+    # -- the set-up steps, shared with AdaptiveUserPrivacyEngine --------------------------------
+    def _resolve_mechanism(self, mechanism: Union[str, GradientMechanism], **options: Any) -> GradientMechanism:
+        """The mechanism object for ``mechanism`` (a registered name, built from ``options``, or an object), which
+        must be one this engine sets up."""
+        mech = get_mechanism(mechanism, "mechanism").from_options(**options) if isinstance(mechanism, str) else mechanism
+        if not isinstance(mech, GradientMechanism):
+            raise ValueError(f"{type(self).__name__} sets up gradient mechanisms; {mech.name!r} is a {mech.kind!r} "
+                             "mechanism.")
+        if mech.adaptive != self.adaptive:
+            raise ValueError(f"Mechanism {mech.name!r} is set up by "
+                             f"{'AdaptiveUserPrivacyEngine' if mech.adaptive else 'PrivacyEngine'}, not {type(self).__name__}.")
+        return mech
+
     @staticmethod
     def _check_target(target_epsilon, target_delta, epochs, steps) -> None:
         check_epsilon(target_epsilon)
@@ -208,15 +213,19 @@ class PrivacyEngine(opacus.PrivacyEngine):
         check_module(module)
         return m
 
-    def _make_loader(
-        self, data_loader, mechanism, m, users_per_batch, user_ids, user_column, rows_per_example, bounding_seed,
-        sampling_seed, max_users_per_batch=None, user_key=None,
-    ) -> Tuple[UserDataLoader, float]:
-        """Bound contributions and build the Poisson loader; returns it and the expected units per step."""
+    def _bound(self, data_loader, m, user_ids, user_column, bounding_seed, target_delta):
+        """The dataset with at most ``m`` rows per user (a seeded draw); the counts go to :attr:`bounding`."""
         bounded, self.bounding = bound_contributions(
             data_loader.dataset, m, user_column=user_column, user_ids=user_ids, seed=bounding_seed
         )
-        kwargs = dict(
+        if target_delta is not None:
+            warn_if_delta_is_large(target_delta, self.bounding.n_users)
+        return bounded
+
+    @staticmethod
+    def _loader_options(data_loader, rows_per_example, user_column, sampling_seed, user_key) -> Dict[str, Any]:
+        """What every user-level loader takes from the caller's loader and settings."""
+        return dict(
             num_replicas=distributed.world_size(),
             rank=distributed.rank(),
             collate_fn=data_loader.collate_fn,
@@ -227,18 +236,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
             user_column=user_column,
             user_key=user_key,
         )
-        if mechanism != "group":
-            loader = UserDataLoader(
-                bounded, users_per_batch=users_per_batch, max_samples_per_user=m,
-                max_users_per_batch=max_users_per_batch, **kwargs,
-            )
-            return loader, loader.users_per_batch
-        # group: every record is its own sampling and clipping unit, at the users' rate q
-        q = users_per_batch / self.bounding.n_users
-        loader = UserDataLoader(
-            bounded, users_per_batch=q * len(bounded), user_ids=range(len(bounded)), steps=steps_per_epoch(q), **kwargs
-        )
-        return loader, q * len(bounded)
 
     @staticmethod
     def _join_processes(module: nn.Module, bounding_seed, sampling_seed):
@@ -249,38 +246,45 @@ class PrivacyEngine(opacus.PrivacyEngine):
             distributed.broadcast_parameters(module)
         return bounding_seed, sampling_seed
 
-    def _install_accountant(self, sample_rate: float, **config) -> None:
+    def _install_accountant(self, sample_rate: float, events: StepEvent) -> None:
+        """A fresh accountant of this engine's kind and relation for the mechanism's ``events``."""
         previous = self.accountant
-        self.accountant = type(previous)(relation=previous.relation, **config)
+        self.accountant = type(previous)(relation=previous.relation, events=events)
         if not self.accountant.supports_relation(sample_rate):
             raise ValueError(
                 f"The {self.accountant.kind} accountant cannot account this mechanism under the "
                 f"{previous.relation!r} relation; use PrivacyEngine(accountant='pld')."
             )
 
-    def _calibrate(self, epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
-        return calibrate_noise_multiplier(
-            lambda s: self.accountant.step_event(s, sample_rate, steps),
-            target_epsilon=epsilon,
-            target_delta=delta,
-            accountant=self.accountant.kind,
-            relation=self.accountant.relation,
-            group_size=self.accountant.conversion_group_size,
-            **self.accountant.options,
+    def _make_optimizer(self, optimizer_class, optimizer, module, grad_sample_mode, *, noise_generator, noise_seed,
+                        self_check, budget_guard, **mechanism_options) -> UserDPOptimizer:
+        """Attach the per-user hooks and wrap ``optimizer`` in the mechanism's ``optimizer_class``."""
+        self._position_hook = supply_position_ids(module)
+        hooks = UserGradSampleHooks(module, force_functorch=grad_sample_mode == "functorch")
+        return optimizer_class(
+            optimizer,
+            hooks=hooks,
+            generator=self.secure_rng if self.secure_mode else noise_generator,
+            noise_seed=noise_seed,
+            step_index=None if noise_seed is None else self.steps_accounted,
+            secure_mode=self.secure_mode,
+            self_check=self_check,
+            budget_guard=budget_guard,
+            **mechanism_options,
         )
 
-    def _attach_hooks(self, module: nn.Module, grad_sample_mode: str) -> UserGradSampleHooks:
-        self._position_hook = supply_position_ids(module)
-        return UserGradSampleHooks(module, force_functorch=grad_sample_mode == "functorch")
-
-    def _finish(self, module, dp_optimizer, loader, mechanism, total_steps, budget):
-        dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=loader.sample_rate))
+    def _finish(self, module, dp_optimizer, loader, mechanism: GradientMechanism, total_steps, budget):
+        dp_optimizer.attach_step_hook(self._account_step)
         if loader.user_key is None:
             loader.add_batch_callback(dp_optimizer.hooks.set_row_users)
         self.mechanism, self.hooks, self.optimizer, self.data_loader = mechanism, dp_optimizer.hooks, dp_optimizer, loader
         self.planned_steps = total_steps
         self.budget = budget
         return module, dp_optimizer, loader
+
+    def _account_step(self, optimizer: UserDPOptimizer) -> None:
+        """The optimizer's step hook: one step at (σ, q) in the current accountant."""
+        self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=self.data_loader.sample_rate)
 
     def steps_accounted(self) -> int:
         """Private steps accounted so far (restored from checkpoints): the position of the next step's noise."""
@@ -403,15 +407,19 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """The :class:`PrivacyReport` of what has been spent so far, at ``delta``."""
         if self.optimizer is None:
             raise ValueError("Call make_private_user_level first.")
+        return PrivacyReport(**self._report_fields(delta))
+
+    def _report_fields(self, delta: float) -> Dict[str, Any]:
+        """The report's fields (an engine with more to say extends them)."""
         opt = self.optimizer
-        return PrivacyReport(
-            mechanism=self.mechanism if not self.accountant.els else "group_els",
+        return dict(
+            mechanism=self.mechanism.report_name,
             n_users=self.bounding.n_users,
             max_samples_per_user=self.bounding.max_samples_per_user,
             sample_rate=self.data_loader.sample_rate,
             noise_multiplier=opt.noise_multiplier,
             steps=self.planned_steps,
-            steps_taken=self.accountant.steps_taken,
+            steps_taken=self.steps_accounted(),
             accountant=self.accountant.mechanism(),
             epsilon=self.get_epsilon(delta),
             delta=delta,
@@ -419,7 +427,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             privacy_unit="user",
             max_grad_norm=opt.max_grad_norm,
             extra={"expected_units_per_step": getattr(opt, "global_expected_batch_size", opt.expected_batch_size),
-                   "clipping_unit": "record" if self.mechanism == "group" else "user",
+                   "clipping_unit": self.mechanism.clipping_unit,
                    "world_size": distributed.world_size()},
         )
 
@@ -429,3 +437,4 @@ class PrivacyEngine(opacus.PrivacyEngine):
             self.hooks.cleanup()
         if self._position_hook is not None:
             self._position_hook.remove()
+

@@ -9,7 +9,6 @@ from dp_accounting import pld
 from scipy import stats
 
 from trl_userdp.accountants import (
-    aup_epsilon,
     compute_delta,
     compute_epsilon,
     els_event,
@@ -17,6 +16,14 @@ from trl_userdp.accountants import (
     randomized_response_event,
     randomized_response_noise_parameter,
     truncated_poisson_gaussian_event,
+)
+from trl_userdp.accountants.accountant import DPRdpAccountant
+from trl_userdp.accountants.events import (
+    ELSGaussian,
+    GroupPrivacyGaussian,
+    PoissonGaussian,
+    StepEvent,
+    TruncatedPoissonGaussian,
 )
 
 DELTA = 1e-5
@@ -86,17 +93,42 @@ def test_truncated_event_needs_pld():
         compute_epsilon(truncated_poisson_gaussian_event(1.0, 0.05, 10, 100, 10), DELTA, accountant="rdp")
 
 
-def test_aup_composition_is_gaussian_half_plus_svt_half():
-    total, gauss, svt = aup_epsilon(
-        noise_multiplier=1.0, sample_rate=0.02, steps=250, n_users=2500, max_users_per_batch=80,
-        svt_epsilon=1.5, delta=DELTA,
-    )
-    independent = pld.PLDAccountant().compose(
-        dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(2500, 0.02, 80, 1.0), 250)
-    ).get_epsilon(DELTA)
-    assert gauss == pytest.approx(independent, rel=1e-9)
-    assert svt == 1.5
-    assert total == pytest.approx(gauss + 1.5)
+def test_step_events_account_what_dp_accounting_does_independently():
+    """Each mechanism's StepEvent gives dp-accounting's own ε for its event, on the grid it declares (a coarser PLD
+    grid only over-states ε)."""
+    history = [(1.0, 0.02, 250)]
+    truncated = TruncatedPoissonGaussian(2500, 80)
+    independent = pld.PLDAccountant(value_discretization_interval=1e-3).compose(
+        dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(2500, 0.02, 80, 1.0), 250)).get_epsilon(DELTA)
+    assert truncated.epsilon(history, DELTA) == pytest.approx(independent, rel=1e-9)
+    fine = pld.PLDAccountant().compose(
+        dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(2500, 0.02, 80, 1.0), 250)).get_epsilon(DELTA)
+    assert fine <= truncated.epsilon(history, DELTA) <= 1.01 * fine
+    plain = pld.PLDAccountant().compose(
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.02, dpa.GaussianDpEvent(1.0)), 250)).get_epsilon(DELTA)
+    assert PoissonGaussian().epsilon(history, DELTA) == pytest.approx(plain, rel=1e-9)
+    assert GroupPrivacyGaussian(10).epsilon(history, DELTA) == pytest.approx(
+        compute_epsilon(poisson_gaussian_event(1.0, 0.02, 250), DELTA, accountant="pld", group_size=10), rel=1e-9)
+    sigma = PoissonGaussian().calibrate(3.0, DELTA, sample_rate=0.02, steps=250)
+    assert PoissonGaussian().epsilon([(sigma, 0.02, 250)], DELTA) <= 3.0
+
+
+@pytest.mark.parametrize("event", [PoissonGaussian(), GroupPrivacyGaussian(4), ELSGaussian(4),
+                                   TruncatedPoissonGaussian(100, 12)])
+def test_step_events_round_trip_and_refuse_malformed_state(event):
+    assert StepEvent.from_dict(event.to_dict()) == event
+    with pytest.raises(ValueError, match="Unknown accounting event"):
+        StepEvent.from_dict({**event.to_dict(), "name": "laplace"})
+    if event.to_dict().keys() - {"name"}:
+        with pytest.raises(ValueError, match="Malformed accounting event"):
+            StepEvent.from_dict({"name": event.name, "unexpected": 1})
+
+
+def test_pld_only_events_refuse_the_rdp_accountant():
+    for event in (ELSGaussian(4), TruncatedPoissonGaussian(100, 12)):
+        with pytest.raises(ValueError, match="PLD accountant only"):
+            DPRdpAccountant(events=event)
+
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,7 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
-from trl.trainer.reward_trainer import DataCollatorForPreference
 
-import trl_userdp
 
 from ..helpers import first_batch, make_private
 from ..tiny_models import btl_pair_losses, preference_dataset, tiny_llama_rm

@@ -27,6 +27,8 @@ def _cfg(cls, **kw):
         (dict(privacy_mechanism="aup"), "concentration_radius"),
         (dict(accountant="gdp"), "accountant must be one of"),
         (dict(noise_multiplier=-1.0), "noise_multiplier"),
+        (dict(privacy_mechanism="group", group_accounting="els", accountant="rdp"), "'els' needs accountant='pld'"),
+        (dict(privacy_mechanism="group", group_accounting="exact"), "group_accounting must be one of"),
     ],
 )
 def test_bad_configs_raise(kwargs, match):

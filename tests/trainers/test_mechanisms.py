@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from trl_userdp import PrivacyReport
 from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer

@@ -6,60 +6,43 @@ registered with Opacus under ``"dp_rdp"`` and ``"dp_pld"``::
 
     opacus.PrivacyEngine(accountant="dp_pld")
 
-With ``group_size=m`` the history is read as item-level DP-SGD steps (records sampled at rate q,
-each clipped) and the reported ε is the user-level guarantee for users of at most ``m`` records:
-through group privacy, or with ``els=True`` through ELS accounting (docs/mechanisms.md, M2). With
-``truncation=(n_users, max_users)`` steps are truncated-Poisson-sampled (AUP-RLHF, docs/mechanisms.md, M4).
+What one step is comes from its mechanism as a :class:`~trl_userdp.accountants.events.StepEvent`
+(default: Poisson-subsampled Gaussian, user-wise DP-SGD); the accountant composes the events of its history
+and knows no mechanism (docs/mechanisms.md, Accounting).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Optional
 
 import dp_accounting as dpa
 from opacus.accountants import IAccountant, RDPAccountant
 from opacus.accountants.registry import _ACCOUNTANTS, register_accountant
 
 from ..validators import check_delta, check_noise_multiplier, check_sample_rate
-from .analysis import compute_epsilon, neighboring_relation
-from .events import els_event, poisson_gaussian_event, truncated_poisson_gaussian_event
-
-#: PLD discretisation for ELS and truncated sampling: their PLDs are 10-70x slower at dp-accounting's
-#: default 1e-4; the coarser grid is still an upper bound (pessimistic rounding).
-COARSE_DISCRETIZATION = 1e-3
+from .analysis import make_accountant, neighboring_relation
+from .events import PoissonGaussian, StepEvent
 
 
 class DPAccountingAccountant(IAccountant):
-    """Base class: Poisson-subsampled Gaussian steps composed in a dp-accounting accountant."""
+    """Base class: the steps of one mechanism (its :class:`StepEvent`) composed in a dp-accounting accountant."""
 
     kind = "rdp"
 
-    def __init__(
-        self,
-        *,
-        relation: str = "add_or_remove",
-        group_size: Optional[int] = None,
-        els: bool = False,
-        truncation: Optional[Tuple[int, int]] = None,
-    ):
+    def __init__(self, *, relation: str = "add_or_remove", events: Optional[StepEvent] = None):
         neighboring_relation(relation)  # validates the name
-        if els and (self.kind != "pld" or group_size is None):
-            raise ValueError("ELS accounting needs the PLD accountant and a group_size (records per user).")
-        if truncation is not None and self.kind != "pld":
-            raise ValueError("Truncated Poisson sampling is accounted by dp-accounting's PLD accountant only.")
+        events = PoissonGaussian() if events is None else events
+        if events.pld_only and self.kind != "pld":
+            raise ValueError(f"The {events.name} event is accounted by dp-accounting's PLD accountant only: "
+                             "use accountant='pld'.")
         self.history = []
         self.relation = relation
-        self.group_size = group_size
-        self.els = els
-        self.truncation = None if truncation is None else tuple(truncation)
-
-    def _config(self) -> tuple:
-        return (self.kind, self.relation, self.group_size, self.els, self.truncation)
+        self.events = events
 
     def spawn(self) -> "DPAccountingAccountant":
         """An empty accountant with the same configuration."""
-        return type(self)(relation=self.relation, group_size=self.group_size, els=self.els, truncation=self.truncation)
+        return type(self)(relation=self.relation, events=self.events)
 
     def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
         """Record one step at (σ, q); consecutive equal steps merge, as in Opacus's accountants."""
@@ -67,34 +50,20 @@ class DPAccountingAccountant(IAccountant):
         check_sample_rate(sample_rate)
         RDPAccountant.step(self, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
 
-    @property
-    def conversion_group_size(self) -> Optional[int]:
-        """The group size for the group-privacy conversion (None for user-level and ELS)."""
-        return None if self.els else self.group_size
-
-    @property
-    def options(self) -> dict:
-        """Extra dp-accounting accountant options for this accountant's events."""
-        coarse = self.els or self.truncation is not None
-        return {"value_discretization_interval": COARSE_DISCRETIZATION} if coarse else {}
-
-    def step_event(self, noise_multiplier: float, sample_rate: float, steps: int) -> dpa.DpEvent:
-        """The event of ``steps`` steps at (σ, q)."""
-        if self.els:
-            return els_event(noise_multiplier, sample_rate, steps, self.group_size)
-        if self.truncation is not None:
-            return truncated_poisson_gaussian_event(noise_multiplier, sample_rate, steps, *self.truncation)
-        return poisson_gaussian_event(noise_multiplier, sample_rate, steps)
-
     def event(self) -> dpa.DpEvent:
         """The composed dp-accounting event of every step taken so far."""
-        return dpa.ComposedDpEvent([self.step_event(s, q, n) for s, q, n in self.history])
+        return self.events.composed(self.history)
 
     def get_epsilon(self, delta: float, **kwargs) -> float:
         check_delta(delta, "delta")
         if not self.history:
             return 0.0
-        return _cached_epsilon(tuple(map(tuple, self.history)), delta, self._config())
+        return _cached_epsilon(tuple(map(tuple, self.history)), delta, self.kind, self.relation, self.events)
+
+    def calibrate(self, target_epsilon: float, target_delta: float, *, sample_rate: float, steps: int) -> float:
+        """The smallest σ for which ``steps`` of this accountant's steps at ``sample_rate`` meet the target."""
+        return self.events.calibrate(target_epsilon, target_delta, sample_rate=sample_rate, steps=steps,
+                                     accountant=self.kind, relation=self.relation)
 
     def __len__(self) -> int:
         return len(self.history)
@@ -106,10 +75,8 @@ class DPAccountingAccountant(IAccountant):
 
     def supports_relation(self, sample_rate: float) -> bool:
         """Whether dp-accounting can account this accountant's steps under its relation."""
-        from .analysis import make_accountant
-
-        probe = make_accountant(self.kind, self.relation, self.conversion_group_size, **self.options)
-        return probe.supports(self.step_event(1.0, sample_rate, 1))
+        probe = make_accountant(self.kind, self.relation, self.events.group_size, **self.events.accountant_options)
+        return probe.supports(self.events(1.0, sample_rate, 1))
 
     @classmethod
     def mechanism(cls) -> str:
@@ -118,23 +85,19 @@ class DPAccountingAccountant(IAccountant):
     def state_dict(self, destination=None):
         destination = super().state_dict(destination)
         destination["relation"] = self.relation
-        destination["group_size"] = self.group_size
-        destination["els"] = self.els
-        destination["truncation"] = self.truncation
+        destination["events"] = self.events.to_dict()
         return destination
 
     def load_state_dict(self, state_dict) -> None:
         """Restore the history saved by :meth:`state_dict`. A state saved under another configuration
-        (accountant, relation, group size, ELS, truncation) or with a malformed history is refused: loading it
+        (accountant, relation, accounting event) or with a malformed history is refused: loading it
         would account this run's steps as another mechanism's."""
-        truncation = state_dict.get("truncation")
-        saved = (state_dict.get("mechanism"), state_dict.get("relation"), state_dict.get("group_size"),
-                 state_dict.get("els"), None if truncation is None else tuple(truncation))
-        own = (self.mechanism(), self.relation, self.group_size, self.els, self.truncation)
+        saved = (state_dict.get("mechanism"), state_dict.get("relation"), state_dict.get("events"))
+        own = (self.mechanism(), self.relation, self.events.to_dict())
         if saved != own:
             raise ValueError(
-                "The saved accountant (mechanism, relation, group_size, els, truncation) = "
-                f"{saved} is not this run's {own}: it belongs to another run or was edited; refusing to load it."
+                f"The saved accountant (accountant, relation, event) = {saved} is not this run's {own}: it belongs "
+                "to another run or was edited; refusing to load it."
             )
         history = state_dict.get("history")
         if not isinstance(history, list) or not all(isinstance(h, (tuple, list)) and len(h) == 3 for h in history):
@@ -148,13 +111,8 @@ class DPAccountingAccountant(IAccountant):
 
 
 @lru_cache(maxsize=64)
-def _cached_epsilon(history, delta: float, config: tuple) -> float:
-    kind, relation, group_size, els, truncation = config
-    acc = _BY_KIND[kind](relation=relation, group_size=group_size, els=els, truncation=truncation)
-    acc.history = list(history)
-    return compute_epsilon(
-        acc.event(), delta, accountant=kind, relation=relation, group_size=acc.conversion_group_size, **acc.options
-    )
+def _cached_epsilon(history, delta: float, kind: str, relation: str, events: StepEvent) -> float:
+    return events.epsilon(history, delta, accountant=kind, relation=relation)
 
 
 class DPRdpAccountant(DPAccountingAccountant):

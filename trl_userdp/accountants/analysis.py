@@ -1,5 +1,5 @@
 """ε ↔ σ through dp-accounting: accountant construction, ε of an event, σ calibration,
-group-privacy conversion (docs/mechanisms.md, M2) and the AUP-RLHF composition (docs/mechanisms.md, M4).
+and the group-privacy conversion (docs/mechanisms.md, M2).
 
 Accountant kinds: ``"rdp"`` (dp-accounting ``RdpAccountant`` on :data:`RDP_ORDERS`) and ``"pld"``
 (dp-accounting ``PLDAccountant``).
@@ -20,7 +20,6 @@ from dp_accounting import rdp as dpa_rdp
 from opacus.accountants.rdp import RDPAccountant as _OpacusRDP
 
 from ..validators import check_delta, check_epsilon, check_max_samples_per_user
-from .events import poisson_gaussian_event, truncated_poisson_gaussian_event
 
 # dp-accounting logs a warning each time a fractional RDP order fails to converge at small σ; the
 # order is then excluded (ε can only grow), so the message is noise for users.
@@ -229,28 +228,3 @@ def item_level_target(epsilon: float, delta: float, group_size: int) -> Tuple[fl
     eps0 = epsilon / m
     return eps0, delta / (m * math.exp((m - 1) * eps0))
 
-
-def aup_epsilon(
-    *,
-    noise_multiplier: float,
-    sample_rate: float,
-    steps: int,
-    n_users: int,
-    max_users_per_batch: Optional[int],
-    svt_epsilon: float,
-    delta: float,
-    accountant: str = "pld",
-    relation: str = "add_or_remove",
-) -> Tuple[float, float, float]:
-    """AUP-RLHF total ε at ``delta``: the Gaussian half (Poisson or truncated-Poisson subsampled,
-    ``steps`` steps) plus the pure-ε AboveThreshold half, by basic composition (AUP-RLHF Thm 3).
-
-    Returns ``(total, gaussian_part, svt_part)``.
-    """
-    check_epsilon(svt_epsilon, "svt_epsilon")
-    if max_users_per_batch is None:
-        event = poisson_gaussian_event(noise_multiplier, sample_rate, steps)
-    else:
-        event = truncated_poisson_gaussian_event(noise_multiplier, sample_rate, steps, n_users, max_users_per_batch)
-    gauss = compute_epsilon(event, delta, accountant=accountant, relation=relation)
-    return gauss + svt_epsilon, gauss, float(svt_epsilon)

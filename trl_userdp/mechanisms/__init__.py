@@ -1,6 +1,33 @@
-"""Privacy mechanisms: user-level randomized response (labels, once, before training) and AUP-RLHF's
-formulas (:mod:`trl_userdp.mechanisms.aup`, used by its optimizer, engine, linear estimator and the CLI)."""
+"""Privacy mechanisms, one object each, in the registry every entry point uses (:mod:`.base`): no privacy,
+user-level randomized response (labels, once, before training), the group-privacy baseline, user-wise DP-SGD
+and AUP-RLHF (its formulas in :mod:`trl_userdp.mechanisms.aup`). Registration order is the order they are listed in."""
 
-from .randomized_response import PRIVATIZED_COLUMN, UserRandomizedResponse
+from .base import (
+    MECHANISM_REGISTRY,
+    GradientMechanism,
+    Mechanism,
+    NoPrivacy,
+    get_mechanism,
+    mechanism_names,
+    register_mechanism,
+)
+from .randomized_response import PRIVATIZED_COLUMN, RandomizedResponse, UserRandomizedResponse
+from .group import GroupPrivacy
+from .user_dpsgd import UserDPSGD
+from .aup import AUPRLHF
 
-__all__ = ["PRIVATIZED_COLUMN", "UserRandomizedResponse"]
+__all__ = [
+    "AUPRLHF",
+    "GradientMechanism",
+    "MECHANISM_REGISTRY",
+    "GroupPrivacy",
+    "Mechanism",
+    "NoPrivacy",
+    "PRIVATIZED_COLUMN",
+    "RandomizedResponse",
+    "UserDPSGD",
+    "UserRandomizedResponse",
+    "get_mechanism",
+    "mechanism_names",
+    "register_mechanism",
+]

@@ -1,16 +1,18 @@
 """AUP-RLHF's formulas, written once (docs/mechanisms.md, M4). ``AUPOptimizer``, ``AdaptiveUserPrivacyEngine``,
 the linear estimator (``trl_userdp.linear.aup_rlhf``), ``trl-userdp account`` and the benchmarks all take them
-from here, so the σ the CLI prints is the σ the engine trains with."""
+from here, so the σ the CLI prints is the σ the engine trains with; and the mechanism object (:class:`AUPRLHF`)."""
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ..accountants import calibrate_noise_multiplier, truncated_poisson_gaussian_event
-from ..accountants.accountant import COARSE_DISCRETIZATION
+from ..accountants.events import StepEvent, TruncatedPoissonGaussian
+from ..validators import check_positive
+from .base import GradientMechanism, register_mechanism
+
 
 def pairwise_distances(unit_grads: List[torch.Tensor]) -> torch.Tensor:
     """``[U, U]`` Euclidean distances between per-user gradients (all parameters together), from the
@@ -88,11 +90,8 @@ def gaussian_noise_multiplier(epsilon: float, delta: float, *, sample_rate: floa
                               max_users_per_batch: int, relation: str = "add_or_remove", tol: float = 1e-4) -> float:
     """σ = PrivacyAccount(ε, δ, n, ñ, T): T truncated-Poisson-subsampled Gaussian steps (dp-accounting PLD, on the
     engine's grid) at ``(ε, δ)`` (pass the Gaussian share of :func:`split_budget`)."""
-    return calibrate_noise_multiplier(
-        lambda s: truncated_poisson_gaussian_event(s, sample_rate, steps, n_users, max_users_per_batch),
-        target_epsilon=epsilon, target_delta=delta, accountant="pld", relation=relation, tol=tol,
-        value_discretization_interval=COARSE_DISCRETIZATION,
-    )
+    return TruncatedPoissonGaussian(n_users, max_users_per_batch).calibrate(
+        epsilon, delta, sample_rate=sample_rate, steps=steps, accountant="pld", relation=relation, tol=tol)
 
 
 def noise_std(radius: float, noise_multiplier: float, epsilon: float, steps: int, delta: float,
@@ -100,3 +99,39 @@ def noise_std(radius: float, noise_multiplier: float, epsilon: float, steps: int
     """The std of the noise on the mean of the kept users: ``τσ·√(8·log(e^ε·T/δ))/ñ`` (Alg. 2; ``ε`` and ``δ``
     are the run's totals), with the logarithm expanded so that a large ε cannot overflow."""
     return radius * noise_multiplier * math.sqrt(8 * (epsilon + math.log(steps / delta))) / users_per_batch
+
+
+@register_mechanism
+class AUPRLHF(GradientMechanism):
+    """AUP-RLHF (docs/mechanisms.md, M4), set up by :class:`~trl_userdp.AdaptiveUserPrivacyEngine`."""
+
+    name = "aup"
+    summary = "AUP-RLHF: concentration test, outlier removal, noise scaled to τ (needs concentration_radius)"
+    adaptive = True
+    accepts_noise_multiplier = False  # σ follows from (ε, δ, T) and τ (Alg. 2)
+
+    def optimizer_class(self, world_size: int) -> type:
+        from ..optimizers.aup_optimizer import AUPOptimizer
+
+        return AUPOptimizer
+
+    def step_event(self, *, max_samples_per_user: int, n_users: int, max_users_per_batch: int = 1) -> StepEvent:
+        return TruncatedPoissonGaussian(n_users, max_users_per_batch)
+
+    @classmethod
+    def check_arguments(cls, args: Any) -> None:
+        check_positive(args.concentration_radius, "concentration_radius")
+        if args.push_to_hub and str(getattr(args.hub_strategy, "value", args.hub_strategy)) in (
+                "checkpoint", "all_checkpoints"):
+            raise ValueError(f"hub_strategy={args.hub_strategy!r} would push checkpoints, whose privacy_state.pt "
+                             "holds AUP-RLHF's secret AboveThreshold threshold: use hub_strategy='every_save' or 'end'.")
+
+    @classmethod
+    def make_private(cls, args: Any, **engine_arguments: Any) -> Tuple[Any, Any, Any]:
+        from ..adaptive_engine import AdaptiveUserPrivacyEngine
+
+        engine = AdaptiveUserPrivacyEngine(neighboring_relation=args.neighboring_relation)
+        _, optimizer, loader = engine.make_private_user_level(
+            concentration_radius=args.concentration_radius, max_users_per_batch=args.max_users_per_batch,
+            svt_fraction=args.svt_fraction, **engine_arguments)
+        return engine, optimizer, loader

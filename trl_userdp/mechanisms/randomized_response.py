@@ -23,6 +23,7 @@ from ..accountants.events import rr_keep_probability, rr_move_probability
 from ..data import DEFAULT_USER_COLUMN, bound_contributions
 from ..seeding import derive_seed
 from ..validators import check_epsilon, check_max_samples_per_user
+from .base import Mechanism, register_mechanism
 
 #: Column added to a privatized dataset: the per-label ε' it was privatized with. Its presence marks
 #: the dataset as privatized (privatizing twice is refused), and trainers read it to set the loss.
@@ -205,3 +206,18 @@ class UserRandomizedResponse:
         for user, rows in kept.items():
             if rows - have[user] or sum(rows.values()) != min(sum(have[user].values()), self.max_samples_per_user):
                 raise ValueError(f"{refuse} (a user's rows differ)")
+
+
+@register_mechanism
+class RandomizedResponse(Mechanism):
+    """User-level randomized response as a trainer mechanism: labels privatized once (:class:`UserRandomizedResponse`),
+    then the trainer's de-biased loss (its ``use_label_privacy``)."""
+
+    name = "randomized_response"
+    kind = "labels"
+    summary = "labels privatized once by randomized response at ε/m each, then the de-biased loss (labels only)"
+
+    @staticmethod
+    def label_privatizer(args: Any) -> UserRandomizedResponse:
+        """The privatizer a trainer's ``args`` ask for (ε, m, and the privacy seed)."""
+        return UserRandomizedResponse(args.target_epsilon, args.max_samples_per_user, seed=args.privacy_seed)

@@ -6,13 +6,11 @@ from .fused_head import unfuse_lm_head
 from .kto_config import UserDPKTOConfig
 from .kto_trainer import UserDPKTOTrainer
 from .online import UserDPGRPOTrainer, UserDPRLOOTrainer, find_privacy_report
-from .privacy_config import GRADIENT_MECHANISMS, PRIVACY_MECHANISMS, UserDPArguments
+from .privacy_config import UserDPArguments
 from .reward_config import UserDPRewardConfig
 from .reward_trainer import UserDPRewardTrainer
 
 __all__ = [
-    "GRADIENT_MECHANISMS",
-    "PRIVACY_MECHANISMS",
     "UserDPArguments",
     "UserDPDPOConfig",
     "UserDPDPOTrainer",

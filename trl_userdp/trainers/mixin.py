@@ -29,14 +29,12 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..accountants import PrivacyReport
-from ..adaptive_engine import AdaptiveUserPrivacyEngine
 from ..checkpoints import load_plain
 from ..data import resolve_user_ids
-from ..mechanisms import UserRandomizedResponse
+from ..mechanisms import NoPrivacy, UserRandomizedResponse, get_mechanism, mechanism_names
 from ..mechanisms.randomized_response import OUTPUT_DIR as RR_OUTPUT_DIR
-from ..privacy_engine import PrivacyEngine
 from .fused_head import unfuse_lm_head
-from .privacy_config import GRADIENT_MECHANISMS, UserDPArguments
+from .privacy_config import UserDPArguments
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +98,7 @@ class UserDPTrainerMixin:
         if not isinstance(config, self.config_class):
             raise ValueError(f"{type(self).__name__} needs `args={self.config_class.__name__}(...)` "
                              f"(TRL's config plus the privacy fields).")
-        if config.privacy_mechanism in GRADIENT_MECHANISMS:
+        if config.privacy_kind == "gradient":
             refusals = self.dp_refusals(config)
             if refusals:
                 raise ValueError(refusals[0])
@@ -116,7 +114,7 @@ class UserDPTrainerMixin:
     def use_label_privacy(self, args, rr: UserRandomizedResponse) -> None:
         """Adapt the loss to labels privatized by ``rr`` (called before the TRL ``__init__``)."""
         raise ValueError(f"privacy_mechanism='randomized_response' has no de-biased loss for {type(self).__name__}; "
-                         "use a gradient mechanism ('user_dpsgd', 'group', 'aup').")
+                         f"use a gradient mechanism {mechanism_names('gradient')}.")
 
     # -- set-up ---------------------------------------------------------------------------------
     def _prepare_train_dataset(self, train_dataset, args):
@@ -126,7 +124,7 @@ class UserDPTrainerMixin:
         unaccounted draw)."""
         self.rr_report: Optional[PrivacyReport] = None
         self.randomized_response: Optional[UserRandomizedResponse] = None
-        if args.privacy_mechanism == "none":
+        if args.privacy_kind == "none":
             return train_dataset
         if train_dataset is None or isinstance(train_dataset, (IterableDataset, datasets.IterableDataset)):
             raise ValueError(
@@ -136,11 +134,9 @@ class UserDPTrainerMixin:
             )
         if len(train_dataset) == 0:
             raise ValueError("train_dataset is empty: there are no users to train on.")
-        if args.privacy_mechanism != "randomized_response":
+        if args.privacy_kind != "labels":
             return train_dataset
-        self.randomized_response = UserRandomizedResponse(
-            args.target_epsilon, args.max_samples_per_user, seed=args.privacy_seed
-        )
+        self.randomized_response = get_mechanism(args.privacy_mechanism).label_privatizer(args)
         self.use_label_privacy(args, self.randomized_response)
         train_dataset, self.rr_report = self.randomized_response.privatize_once(
             train_dataset, args.output_dir, user_column=args.user_column)
@@ -155,7 +151,7 @@ class UserDPTrainerMixin:
         self.args._validate_privacy_fields()
         self.privacy_engine = None
         self._restored_privacy_state: Optional[Tuple[Dict[str, Any], int, str]] = None
-        if self.args.privacy_mechanism in GRADIENT_MECHANISMS:
+        if self._dp_active:
             if getattr(self, "aux_loss_enabled", False):
                 raise ValueError(
                     "The Mixture-of-Experts router auxiliary loss is computed over the whole batch and couples users, "
@@ -175,7 +171,7 @@ class UserDPTrainerMixin:
 
     @property
     def _dp_active(self) -> bool:
-        return self.args.privacy_mechanism in GRADIENT_MECHANISMS
+        return self.args.privacy_kind == "gradient"
 
     def _make_private(self) -> None:
         args = self.args
@@ -200,23 +196,7 @@ class UserDPTrainerMixin:
             user_key=USER_KEY,
         )
         length = dict(steps=args.max_steps) if args.max_steps > 0 else dict(epochs=args.num_train_epochs)
-        if args.privacy_mechanism == "aup":
-            engine = AdaptiveUserPrivacyEngine(neighboring_relation=args.neighboring_relation)
-            _, optimizer, loader = engine.make_private_user_level(
-                concentration_radius=args.concentration_radius, max_users_per_batch=args.max_users_per_batch,
-                svt_fraction=args.svt_fraction, **common, **length,
-            )
-        else:
-            engine = PrivacyEngine(accountant=args.accountant, neighboring_relation=args.neighboring_relation)
-            if args.noise_multiplier is not None:  # a fixed σ; target_epsilon (if any) caps the run
-                common.update(noise_multiplier=args.noise_multiplier)
-                if args.target_epsilon is None:
-                    common.update(target_delta=None)
-            _, optimizer, loader = engine.make_private_user_level(
-                max_grad_norm=args.per_user_max_grad_norm,
-                mechanism="group" if args.privacy_mechanism == "group" else "user_dpsgd",
-                group_accounting=args.group_accounting, **common, **length,
-            )
+        engine, optimizer, loader = get_mechanism(args.privacy_mechanism).make_private(args, **common, **length)
         optimizer.skip_when_exhausted = True  # the budget callback then ends training cleanly
         self.privacy_engine, self.optimizer, self._private_loader = engine, optimizer, loader
         if self._restored_privacy_state is not None:
@@ -263,7 +243,7 @@ class UserDPTrainerMixin:
 
     def train(self, *args, **kwargs):
         output = super().train(*args, **kwargs)
-        if self.args.privacy_mechanism != "none":
+        if self.args.privacy_kind != "none":
             if self.privacy_engine is not None or not self._dp_active:
                 self.model.privacy_report = self.privacy_report()  # what was spent, even without a final save
             if not self.args.log_private_metrics:  # the mean training loss is a statistic of private batches
@@ -273,7 +253,7 @@ class UserDPTrainerMixin:
 
     def floating_point_ops(self, inputs):
         """0 under DP: the count (saved as ``total_flos``) would follow the private batches' sizes."""
-        return 0 if self.args.privacy_mechanism in GRADIENT_MECHANISMS else super().floating_point_ops(inputs)
+        return 0 if self._dp_active else super().floating_point_ops(inputs)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """Never compute or log the norm of the raw, non-private gradient."""
@@ -283,7 +263,7 @@ class UserDPTrainerMixin:
         logs = dict(logs)
         logs.pop("grad_norm", None)
         training = not any(k.startswith("eval_") for k in logs)
-        private = self.args.privacy_mechanism != "none"
+        private = self.args.privacy_kind != "none"
         if private and not self.args.log_private_metrics:
             if training:
                 if hasattr(self, "_metrics"):
@@ -302,9 +282,9 @@ class UserDPTrainerMixin:
 
     # -- privacy state: report, checkpoints, resume --------------------------------------------
     def current_epsilon(self) -> float:
-        if self.args.privacy_mechanism == "randomized_response":
+        if self.args.privacy_kind == "labels":
             return float(self.args.target_epsilon)
-        if self.args.privacy_mechanism == "none":
+        if self.args.privacy_kind == "none":
             return math.inf
         if self.privacy_engine is None:
             return 0.0
@@ -312,14 +292,10 @@ class UserDPTrainerMixin:
 
     def privacy_report(self) -> PrivacyReport:
         """What this run has spent so far."""
-        mech = self.args.privacy_mechanism
-        if mech == "randomized_response":
+        if self.args.privacy_kind == "labels":
             return self.rr_report
-        if mech == "none":
-            return PrivacyReport(
-                mechanism="none", n_users=0, max_samples_per_user=None, sample_rate=None, noise_multiplier=None,
-                steps=None, steps_taken=self.state.global_step, accountant="none", epsilon=math.inf, delta=0.0,
-            )
+        if self.args.privacy_kind == "none":
+            return NoPrivacy.report(self.state.global_step)
         if self.privacy_engine is None:
             raise ValueError("No private step has been set up yet (call train()).")
         return self.privacy_engine.privacy_report(self.args.target_delta)
@@ -327,7 +303,7 @@ class UserDPTrainerMixin:
     def _write_privacy_files(self, output_dir: str, with_state: bool) -> None:
         if not self.is_world_process_zero():
             return
-        if self.args.privacy_mechanism in GRADIENT_MECHANISMS and self.privacy_engine is None:
+        if self._dp_active and self.privacy_engine is None:
             return
         report = self.privacy_report()
         report.save(output_dir)

@@ -8,27 +8,24 @@ import logging
 from typing import Optional
 
 from ..accountants.accountant import accountant_class
+from ..mechanisms import get_mechanism, mechanism_names
 from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_noise_multiplier, check_positive
 
 logger = logging.getLogger(__name__)
-
-PRIVACY_MECHANISMS = ("user_dpsgd", "aup", "group", "randomized_response", "none")
-#: mechanisms that train with per-user gradients, noise and an accountant
-GRADIENT_MECHANISMS = ("user_dpsgd", "aup", "group")
 
 
 @dataclasses.dataclass
 class UserDPArguments:
     """User-level DP settings. The privacy unit is the user named in ``user_column``.
 
-    ``privacy_mechanism``: ``"user_dpsgd"`` (clip each user's averaged gradient, Gaussian noise),
-    ``"aup"`` (AUP-RLHF; needs ``concentration_radius``), ``"group"`` (item-level DP-SGD with
-    group-privacy accounting), ``"randomized_response"`` (labels privatized once, then the de-biased
-    loss: pure ε, labels only) or ``"none"`` (plain TRL training, for baselines).
+    ``privacy_mechanism`` names a registered mechanism (:mod:`trl_userdp.mechanisms`): ``"user_dpsgd"`` (clip
+    each user's averaged gradient, Gaussian noise), ``"aup"`` (AUP-RLHF; needs ``concentration_radius``),
+    ``"group"`` (item-level DP-SGD with group-privacy accounting), ``"randomized_response"`` (labels privatized
+    once, then the de-biased loss: pure ε, labels only) or ``"none"`` (plain TRL training, for baselines).
     """
 
     privacy_mechanism: str = dataclasses.field(
-        default="user_dpsgd", metadata={"help": f"One of {PRIVACY_MECHANISMS}."}
+        default="user_dpsgd", metadata={"help": f"One of {mechanism_names()}."}
     )
     target_epsilon: Optional[float] = dataclasses.field(
         default=8.0,
@@ -111,21 +108,26 @@ class UserDPArguments:
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
+    @property
+    def privacy_kind(self) -> str:
+        """The kind of the chosen mechanism: "gradient", "labels" or "none"."""
+        return get_mechanism(self.privacy_mechanism).kind
+
     def _validate_privacy_fields(self) -> None:
-        if self.privacy_mechanism not in PRIVACY_MECHANISMS:
-            raise ValueError(f"privacy_mechanism must be one of {PRIVACY_MECHANISMS}, got {self.privacy_mechanism!r}.")
-        if self.privacy_mechanism == "none":
+        mechanism = get_mechanism(self.privacy_mechanism)
+        if mechanism.kind == "none":
             return
         check_max_samples_per_user(self.max_samples_per_user)
         accountant_class(self.accountant)
-        if self.noise_multiplier is None or self.privacy_mechanism in ("aup", "randomized_response"):
+        if self.noise_multiplier is None or not mechanism.accepts_noise_multiplier:
             check_epsilon(self.target_epsilon, "target_epsilon")
         else:
             check_noise_multiplier(self.noise_multiplier)
             if self.target_epsilon is not None:
                 check_epsilon(self.target_epsilon, "target_epsilon")
         check_delta(self.target_delta, "target_delta")
-        if self.privacy_mechanism not in GRADIENT_MECHANISMS:
+        mechanism.check_arguments(self)
+        if mechanism.kind != "gradient":
             return
         check_positive(self.per_user_max_grad_norm, "per_user_max_grad_norm")
         if self.users_per_batch is not None:
@@ -133,12 +135,6 @@ class UserDPArguments:
         if getattr(self, "include_num_input_tokens_seen", "no") not in ("no", False):
             logger.warning("include_num_input_tokens_seen counts the tokens of private batches; turned off under DP.")
             self.include_num_input_tokens_seen = "no"
-        if self.privacy_mechanism == "aup":
-            check_positive(self.concentration_radius, "concentration_radius")
-            if self.push_to_hub and str(getattr(self.hub_strategy, "value", self.hub_strategy)) in (
-                    "checkpoint", "all_checkpoints"):
-                raise ValueError(f"hub_strategy={self.hub_strategy!r} would push checkpoints, whose privacy_state.pt "
-                                 "holds AUP-RLHF's secret AboveThreshold threshold: use hub_strategy='every_save' or 'end'.")
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 "gradient_accumulation_steps must be 1 under user-level DP: each optimizer step must use exactly one "

@@ -5,11 +5,13 @@ evaluated by; private models never see it."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import List, Sequence
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
 CACHE_DIR = os.environ.get("TRL_USERDP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "trl_userdp"))
 
 
@@ -36,12 +38,19 @@ class TfidfGoldReward:
 
     @classmethod
     def cached(cls, texts: Sequence[str], labels: np.ndarray) -> "TfidfGoldReward":
-        """Fit once per machine (about 30 s), then load from ``$TRL_USERDP_CACHE``."""
+        """Fit once per machine (about 30 s), then load from ``$TRL_USERDP_CACHE``; a cache another version of
+        the package wrote (its class moved or changed) is refitted and replaced."""
         import joblib
 
         path = os.path.join(CACHE_DIR, f"gold_tfidf_{len(texts)}.joblib")
         if os.path.isfile(path):
-            return joblib.load(path)
+            try:
+                gold = joblib.load(path)
+            except (ImportError, AttributeError, EOFError, ValueError) as err:
+                logger.warning("Refitting the gold reward: the cached one in %s does not load (%s).", path, err)
+            else:
+                if isinstance(gold, cls):
+                    return gold
         gold = cls(texts, labels)
         os.makedirs(CACHE_DIR, exist_ok=True)
         joblib.dump(gold, path)

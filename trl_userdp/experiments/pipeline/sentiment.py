@@ -34,20 +34,21 @@ from datasets import Dataset
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
-from ..accountants import PrivacyReport
-from ..adaptive_engine import AdaptiveUserPrivacyEngine, propose_concentration_radius
-from ..data import UserDataLoader
-from ..data.imdb import load_imdb_reviews
-from ..losses import BTLLoss, RRDebiasedRewardLoss
-from ..mechanisms import UserRandomizedResponse
-from ..privacy_engine import PrivacyEngine
-from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_positive, check_users_per_batch
+from ...accountants import PrivacyReport
+from ...adaptive_engine import AdaptiveUserPrivacyEngine, propose_concentration_radius
+from ...data import UserDataLoader
+from ..imdb import load_imdb_reviews
+from ...losses import BTLLoss, RRDebiasedRewardLoss
+from ...mechanisms import UserRandomizedResponse, get_mechanism, mechanism_names
+from ...privacy_engine import PrivacyEngine
+from ...validators import check_delta, check_epsilon, check_max_samples_per_user, check_positive, check_users_per_batch
 from .embedding_reward import EmbeddingRewardFunction, LinearRewardHead, MiniLMEncoder, btl_margin, pair_accuracy
 from .gold import gold_reward
 
 logger = logging.getLogger(__name__)
 
-MECHANISMS = ("none", "randomized_response", "group", "user_dpsgd", "aup")
+#: every registered mechanism, "none" (the non-private baseline) first
+MECHANISMS = mechanism_names()
 
 
 @dataclasses.dataclass
@@ -208,8 +209,9 @@ def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tenso
                   max_samples_per_user=args.max_samples_per_user, user_ids=users, rows_per_example=2,
                   sampling_seed=args.seed, noise_generator=torch.Generator().manual_seed(args.seed))
     loss_fn = BTLLoss()
-    if mechanism in ("none", "randomized_response"):
-        if mechanism == "randomized_response":  # flip each pair once, then train on the de-biased loss
+    kind = get_mechanism(mechanism).kind
+    if kind != "gradient":
+        if kind == "labels":  # flip each pair once, then train on the de-biased loss
             rr = UserRandomizedResponse(epsilon, args.max_samples_per_user, seed=args.seed)
             private, report = rr.privatize(Dataset.from_dict(
                 {"chosen": data.pairs[:, 0].tolist(), "rejected": data.pairs[:, 1].tolist(), "user_id": users}))
@@ -226,7 +228,7 @@ def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tenso
                 loss_fn(btl_margin(head, c, r)).backward()
                 optimizer.step()
     else:
-        if mechanism == "aup":  # every user in every step (AUP halts on small Poisson batches), same T
+        if get_mechanism(mechanism).adaptive:  # AUP: every user in every step (it halts on small Poisson batches), same T
             engine = AdaptiveUserPrivacyEngine()
             _, dp_opt, loader = engine.make_private_user_level(
                 concentration_radius=_public_tau(emb, data, args), target_epsilon=epsilon,
@@ -236,7 +238,7 @@ def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tenso
             engine = PrivacyEngine(accountant="pld")
             _, dp_opt, loader = engine.make_private_user_level(
                 target_epsilon=epsilon, epochs=args.reward_epochs, max_grad_norm=1.0, users_per_batch=args.users_per_batch,
-                mechanism="group" if mechanism == "group" else "user_dpsgd", **common)
+                mechanism=mechanism, **common)
         while engine.budget_allows_step() and not getattr(dp_opt, "halted", False):
             for c, r in loader:
                 dp_opt.zero_grad()
@@ -339,7 +341,7 @@ def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, da
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
-    from ..trainers import UserDPGRPOTrainer
+    from ...trainers import UserDPGRPOTrainer
 
     name = f"{reward.mechanism}" + ("" if reward.epsilon is None else f"_eps{reward.epsilon:g}")
     out_dir = os.path.join(args.output_dir, "policies", name)

@@ -12,8 +12,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..losses import flip_rate_from_epsilon
-from ..validators import check_delta, check_epsilon
+from ...losses import flip_rate_from_epsilon
+from ...validators import check_delta, check_epsilon
 from .btl import project_theta
 
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from trl_userdp.linear import (
+from trl_userdp.experiments.linear import (
     aup_rlhf,
     generate_btl_data,
     group_dpsgd,

@@ -15,10 +15,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..accountants import calibrate_noise_multiplier, poisson_gaussian_event
-from ..data.phases import phase_shares
-from ..mechanisms import UserRandomizedResponse, aup
-from ..mechanisms.aup import keep_probabilities, pairwise_distances
+from ...accountants.events import GroupPrivacyGaussian, PoissonGaussian
+from ...data.phases import phase_shares
+from ...mechanisms import UserRandomizedResponse, aup
+from ...mechanisms.aup import keep_probabilities, pairwise_distances
 from .btl import BTLData, project_theta
 from .estimators import _sigmoid, objective_perturbation, rr_debiased_mle
 
@@ -54,10 +54,9 @@ def user_objective_perturbation(
 
 @lru_cache(maxsize=256)
 def _sigma_poisson(epsilon, delta, q, steps, group_size=None, relation="add_or_remove") -> float:
-    return calibrate_noise_multiplier(
-        lambda s: poisson_gaussian_event(s, q, steps), target_epsilon=epsilon, target_delta=delta,
-        accountant="pld", group_size=group_size, relation=relation, tol=1e-3,
-    )
+    """The engine's σ for user-wise DP-SGD, or with ``group_size`` for the group-privacy baseline."""
+    events = PoissonGaussian() if group_size is None else GroupPrivacyGaussian(group_size)
+    return events.calibrate(epsilon, delta, sample_rate=q, steps=steps, accountant="pld", relation=relation, tol=1e-3)
 
 
 @lru_cache(maxsize=256)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from trl_userdp.linear import (
+from trl_userdp.experiments.linear import (
     debiased_labels,
     fit_logistic,
     generate_btl_data,

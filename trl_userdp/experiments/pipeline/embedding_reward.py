@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..accountants import PrivacyReport
+from ...accountants import PrivacyReport
 
 
 class MiniLMEncoder:

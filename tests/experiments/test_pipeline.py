@@ -1,0 +1,49 @@
+"""The main job's pipeline end to end in a tiny setting (the real run is ./scripts/main)."""
+
+import json
+import os
+
+import numpy as np
+
+from trl_userdp.experiments.pipeline import PipelineArguments, run_pipeline
+
+
+def test_pipeline_runs_every_stage_and_writes_results(tmp_path, capsys):
+    args = PipelineArguments(n_users=20, max_samples_per_user=4, users_per_batch=5, epsilons=[8.0],
+                             mechanisms=["none", "randomized_response", "user_dpsgd"], sft_steps=4, rl_steps=2,
+                             eval_every=1, eval_prompts=6, eval_pairs=20, output_dir=str(tmp_path))
+    payload = run_pipeline(args)
+    assert [r["mechanism"] for r in payload["results"]] == ["none", "randomized_response", "user_dpsgd"]
+    for r in payload["results"]:
+        assert len(r["curve"]) == 3 and r["curve"][0]["step"] == 0  # start, step 1, step 2
+    private = payload["results"][2]
+    assert 0 < private["epsilon_spent"] <= 8.0
+    assert private["privacy_report"]["mechanism"] == "post-processing"
+    assert "gold reward (95% CI)" in capsys.readouterr().out
+    saved = json.load(open(tmp_path / "pipeline_results.json"))
+    assert saved["data_card"]["users"].startswith("20 private users")
+    assert os.path.exists(tmp_path / "reward_vs_kl.png")
+
+
+def test_a_gold_reward_cached_by_another_version_is_refitted(tmp_path, monkeypatch, caplog):
+    """A cache whose pickle names a module that no longer exists (the package moved it) must not crash the job."""
+    import joblib
+
+    from trl_userdp.experiments.pipeline import gold
+
+    texts = [f"a good fine film number {i}" for i in range(20)] + [f"a bad awful film number {i}" for i in range(20)]
+    labels = np.array([1] * 20 + [0] * 20)
+    monkeypatch.setattr(gold, "CACHE_DIR", str(tmp_path))
+    path = tmp_path / f"gold_tfidf_{len(texts)}.joblib"
+    joblib.dump(_Stale(), path)
+    old, new = b"tests.experiments.test_pipeline", b"trl_userdp.pipeline.gold_legacy"  # same length: a valid pickle
+    assert len(old) == len(new) and old in path.read_bytes()
+    path.write_bytes(path.read_bytes().replace(old, new))
+    refitted = gold.TfidfGoldReward.cached(texts, labels)
+    assert isinstance(refitted, gold.TfidfGoldReward) and "No module named 'trl_userdp.pipeline'" in caplog.text
+    assert isinstance(joblib.load(path), gold.TfidfGoldReward)  # the cache was replaced
+    assert refitted(["a good film"])[0] > refitted(["a bad film"])[0]
+
+
+class _Stale:
+    """Stands for a class pickled under a module path that no longer exists."""
