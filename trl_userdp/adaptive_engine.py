@@ -22,13 +22,14 @@ from torch.utils.data import DataLoader
 
 from . import distributed
 from .accountants import DPAccountingAccountant
-from .data import DEFAULT_USER_COLUMN, PhasedUserDataLoader, UserDataLoader, resolve_user_ids
+from .data import PhasedUserDataLoader, UserDataLoader, resolve_user_ids
 from .data.phases import assign_phases, phase_datasets, phase_shares
 from .grad_sample import UserGradSampleHooks
 from .mechanisms import aup
 from .mechanisms.aup import AUPRLHF, default_max_users_per_batch, pairwise_distances
 from .optimizers.aup_optimizer import AUPOptimizer
 from .privacy_engine import PrivacyEngine
+from .setup_options import SetupOptions
 from .seeding import derive_seed
 from .validators import check_positive, check_steps
 
@@ -74,18 +75,10 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         phases: int = 1,
         phase_users: str = "all",
         average_iterates: bool = False,
-        user_ids: Optional[Sequence[Any]] = None,
-        user_column: str = DEFAULT_USER_COLUMN,
-        rows_per_example: int = 1,
-        bounding_seed: Optional[int] = 0,
-        sampling_seed: Optional[int] = None,
-        noise_generator: Optional[torch.Generator] = None,
-        noise_seed: Optional[int] = None,
-        self_check: bool = True,
-        grad_sample_mode: str = "hooks",
-        user_key: Optional[str] = None,
+        **options: Any,
     ) -> Tuple[nn.Module, AUPOptimizer, Union[UserDataLoader, PhasedUserDataLoader]]:
-        """Like :meth:`PrivacyEngine.make_private_user_level`, plus ``concentration_radius`` (τ),
+        """Like :meth:`PrivacyEngine.make_private_user_level` (the same ``options``:
+        :class:`~trl_userdp.setup_options.SetupOptions`), plus ``concentration_radius`` (τ),
         ``max_users_per_batch`` (ñ_max; default :func:`default_max_users_per_batch`),
         ``svt_fraction`` (share of ε for AboveThreshold), ``radius_epsilon`` (the part of ``target_epsilon``
         already spent choosing τ on these users with :func:`propose_concentration_radius_private`; the run
@@ -101,6 +94,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         :meth:`privacy_report` says at which query.
         """
         mech = self._resolve_mechanism(AUPRLHF())
+        opts = SetupOptions(**options)
         check_positive(concentration_radius, "concentration_radius")
         self._check_target(target_epsilon, target_delta, epochs, steps)
         if not 0 <= radius_epsilon < target_epsilon:
@@ -109,17 +103,17 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         run_epsilon = target_epsilon - self.radius_epsilon
         self.svt_epsilon, *gaussian_budget = aup.split_budget(run_epsilon, target_delta, svt_fraction)
         shares = phase_shares(phases, phase_users)
-        if phases > 1 and user_key is not None:
+        if phases > 1 and opts.user_key is not None:
             raise ValueError("phases > 1 needs a loop that steps each batch before fetching the next; "
                              "it cannot be used with user_key (transformers' Trainer prefetches batches).")
-        m = self._check_model(module, optimizer, grad_sample_mode, max_samples_per_user)
+        m = self._check_model(module, optimizer, max_samples_per_user)
         if distributed.world_size() > 1:
             raise ValueError("AUP-RLHF compares every sampled user's gradient with every other's (the concentration "
                              "score): it runs in one process; use PrivacyEngine for data-parallel user-wise DP-SGD.")
         n_max = default_max_users_per_batch(users_per_batch) if max_users_per_batch is None else int(max_users_per_batch)
-        bounded = self._bound(data_loader, m, user_ids, user_column, bounding_seed, target_delta)
-        index = resolve_user_ids(bounded, user_column=user_column)
-        phase_of_user = assign_phases(index, shares, bounding_seed)
+        bounded = self._bound(data_loader, m, opts, target_delta)
+        index = resolve_user_ids(bounded, user_column=opts.user_column)
+        phase_of_user = assign_phases(index, shares, opts.bounding_seed)
         sizes = np.bincount(phase_of_user[phase_of_user >= 0], minlength=phases)
         if sizes.min() < users_per_batch:
             raise ValueError(
@@ -127,16 +121,16 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
                 f"{users_per_batch} users; use fewer phases, phase_users='all' or a smaller users_per_batch."
             )
         used = int(sizes.sum())
-        options = self._loader_options(data_loader, rows_per_example, user_column, sampling_seed, user_key)
+        loader_options = self._loader_options(data_loader, opts)
         loaders = []
         for i, dataset in enumerate(phase_datasets(bounded, index, phase_of_user, phases)):
             q = users_per_batch / int(sizes[i])
             t = check_steps(None, epochs, q) if steps is None else max(1, int(round(check_steps(steps, None, q) * sizes[i] / used)))
-            options.update(seed=None if sampling_seed is None else _phase_seed(sampling_seed, i, phases))
+            loader_options.update(seed=None if opts.sampling_seed is None else _phase_seed(opts.sampling_seed, i, phases))
             loaders.append(UserDataLoader(
                 dataset, users_per_batch=users_per_batch, max_samples_per_user=m, max_users_per_batch=n_max,
                 steps=t if phases > 1 else None,  # one phase: epochs of round(1/q) steps, as without phases
-                **options,
+                **loader_options,
             ))
             self._install_accountant(q, mech.step_event(max_samples_per_user=m, n_users=int(sizes[i]),
                                                         max_users_per_batch=n_max))
@@ -148,9 +142,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         self._calibrated = True
         self.accountant = self.phase_accountants[0]
         dp_optimizer = self._make_optimizer(
-            mech.optimizer_class(1), optimizer, module, grad_sample_mode,
-            noise_generator=noise_generator, noise_seed=noise_seed, self_check=self_check,
-            budget_guard=self._check_budget,
+            mech.optimizer_class(1), optimizer, module, opts, budget_guard=self._check_budget,
             noise_multiplier=self.phase_noise_multipliers[0], concentration_radius=concentration_radius,
             expected_batch_size=loaders[0].users_per_batch, max_users_per_batch=n_max, epsilon=run_epsilon,
             delta=target_delta, steps=self.phase_steps[0], svt_epsilon=self.svt_epsilon,

@@ -10,13 +10,13 @@ dp-accounting through the accountants of :mod:`trl_userdp.accountants`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from itertools import chain
-from typing import IO, Any, BinaryIO, Dict, Optional, Sequence, Tuple, Union
+from typing import IO, Any, BinaryIO, Dict, Optional, Tuple, Union
 
 import opacus
-import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
@@ -24,12 +24,13 @@ from .accountants import DPAccountingAccountant, PrivacyReport
 from .accountants.accountant import accountant_class
 from .accountants.events import StepEvent
 from .checkpoints import load_plain
-from .data import DEFAULT_USER_COLUMN, UserDataLoader, bound_contributions
+from .data import UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
 from .grad_sample import UserGradSampleHooks, check_module, supply_position_ids
 from . import distributed
 from .mechanisms import GradientMechanism, get_mechanism
 from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer
+from .setup_options import SetupOptions
 from .validators import (
     check_delta,
     check_epsilon,
@@ -87,18 +88,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         target_delta: Optional[float] = None,
         epochs: Optional[float] = None,
         steps: Optional[int] = None,
-        user_ids: Optional[Sequence[Any]] = None,
-        user_column: str = DEFAULT_USER_COLUMN,
         mechanism: Union[str, GradientMechanism] = "user_dpsgd",
         group_accounting: str = "conversion",
-        rows_per_example: int = 1,
-        bounding_seed: Optional[int] = 0,
-        sampling_seed: Optional[int] = None,
-        noise_generator: Optional[torch.Generator] = None,
-        noise_seed: Optional[int] = None,
-        self_check: bool = True,
-        grad_sample_mode: str = "hooks",
-        user_key: Optional[str] = None,
+        **options: Any,
     ) -> Tuple[nn.Module, UserDPOptimizer, UserDataLoader]:
         """Make ``(module, optimizer, data_loader)`` user-level private at noise multiplier σ.
 
@@ -108,15 +100,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
         ``mechanism``: ``"user_dpsgd"`` (M1), ``"group"`` (M2, with ``group_accounting`` ``"conversion"`` or
         ``"els"``) or a :class:`~trl_userdp.mechanisms.GradientMechanism` object. ``data_loader`` supplies the
         dataset and collate function; it is replaced by a :class:`~trl_userdp.data.UserDataLoader` over the
-        contribution-bounded dataset (at most ``max_samples_per_user`` rows per user, a seeded draw). ``user_ids``
-        (one per row) or a ``user_column`` of a ``datasets.Dataset`` say who wrote each row; ``rows_per_example=2``
-        for collators that emit ``[chosen; rejected]`` rows, stacked in two blocks (row i and row B + i are one
-        example, as in TRL; an interleaved layout would be mis-assigned and is not detectable).
-        The noise comes from ``noise_generator``, or with ``noise_seed`` from a generator keyed by (seed, step),
-        which a resumed run continues instead of replaying (default: seeded from the OS).
-        Every batch the loader yields must be used by one ``optimizer.step()``. With ``user_key`` the
-        loader puts each batch's row -> user map into the (dict) batch under that key, and the training
-        loop hands it to ``optimizer.hooks.set_row_users`` itself (for loops that prefetch batches).
+        contribution-bounded dataset (at most ``max_samples_per_user`` rows per user, a seeded draw).
+        ``options`` are the :class:`~trl_userdp.setup_options.SetupOptions`: who wrote each row (``user_ids`` or a
+        ``user_column``), ``rows_per_example`` (2 for TRL's ``[chosen; rejected]`` collators), the seeds
+        (``bounding_seed``, ``sampling_seed``, ``noise_generator`` or ``noise_seed``), ``self_check``,
+        ``grad_sample_mode`` and ``user_key``.
+        Every batch the loader yields must be used by one ``optimizer.step()``.
         The loss must be the mean over the batch's rows; each user counts as the average of its rows.
         Under ``torch.distributed`` (one process per device, the plain module on each) every rank draws the
         same users and keeps its shard (``user % world_size == rank``), parameters start from rank 0's,
@@ -126,6 +115,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         ``round(1/q)`` steps.
         """
         mech = self._resolve_mechanism(mechanism, group_accounting=group_accounting)
+        opts = SetupOptions(**options)
         check_positive(max_grad_norm, "max_grad_norm")
         if noise_multiplier is None:
             if target_epsilon is None:
@@ -137,12 +127,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
             if target_epsilon is not None:
                 check_epsilon(target_epsilon)
                 check_delta(target_delta)
-        m = self._check_model(module, optimizer, grad_sample_mode, max_samples_per_user)
-        bounding_seed, sampling_seed = self._join_processes(module, bounding_seed, sampling_seed)
-        bounded = self._bound(data_loader, m, user_ids, user_column, bounding_seed, target_delta)
+        m = self._check_model(module, optimizer, max_samples_per_user)
+        opts = self._join_processes(module, opts)
+        bounded = self._bound(data_loader, m, opts, target_delta)
         loader, expected_units = mech.make_loader(
             bounded, n_users=self.bounding.n_users, users_per_batch=users_per_batch, max_samples_per_user=m,
-            **self._loader_options(data_loader, rows_per_example, user_column, sampling_seed, user_key),
+            **self._loader_options(data_loader, opts),
         )
         self._install_accountant(loader.sample_rate, mech.step_event(max_samples_per_user=m, n_users=self.bounding.n_users))
         total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, loader.sample_rate)
@@ -151,8 +141,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             noise_multiplier = self.accountant.calibrate(target_epsilon, target_delta, sample_rate=loader.sample_rate,
                                                          steps=total_steps)
         dp_optimizer = self._make_optimizer(
-            mech.optimizer_class(distributed.world_size()), optimizer, module, grad_sample_mode,
-            noise_generator=noise_generator, noise_seed=noise_seed, self_check=self_check,
+            mech.optimizer_class(distributed.world_size()), optimizer, module, opts,
             budget_guard=self._check_budget if target_epsilon is not None else None,
             noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_units,
         )
@@ -193,12 +182,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if epochs is None and steps is None:
             raise ValueError("With target_epsilon, give `epochs` or `steps`: σ depends on how long you train.")
 
-    def _check_model(self, module, optimizer, grad_sample_mode: str, max_samples_per_user: int) -> int:
-        if grad_sample_mode not in ("hooks", "functorch"):
-            raise ValueError(
-                "grad_sample_mode must be 'hooks' or 'functorch': per-user averages need per-sample "
-                f"gradients, which ghost clipping does not produce (got {grad_sample_mode!r})."
-            )
+    def _check_model(self, module, optimizer, max_samples_per_user: int) -> int:
         if self.hooks is not None:
             raise ValueError("This engine already made a model private; create a new PrivacyEngine.")
         m = check_max_samples_per_user(max_samples_per_user)
@@ -213,38 +197,39 @@ class PrivacyEngine(opacus.PrivacyEngine):
         check_module(module)
         return m
 
-    def _bound(self, data_loader, m, user_ids, user_column, bounding_seed, target_delta):
+    def _bound(self, data_loader, m, opts: SetupOptions, target_delta):
         """The dataset with at most ``m`` rows per user (a seeded draw); the counts go to :attr:`bounding`."""
         bounded, self.bounding = bound_contributions(
-            data_loader.dataset, m, user_column=user_column, user_ids=user_ids, seed=bounding_seed
+            data_loader.dataset, m, user_column=opts.user_column, user_ids=opts.user_ids, seed=opts.bounding_seed
         )
         if target_delta is not None:
             warn_if_delta_is_large(target_delta, self.bounding.n_users)
         return bounded
 
     @staticmethod
-    def _loader_options(data_loader, rows_per_example, user_column, sampling_seed, user_key) -> Dict[str, Any]:
-        """What every user-level loader takes from the caller's loader and settings."""
+    def _loader_options(data_loader, opts: SetupOptions) -> Dict[str, Any]:
+        """What every user-level loader takes from the caller's loader and the options."""
         return dict(
             num_replicas=distributed.world_size(),
             rank=distributed.rank(),
             collate_fn=data_loader.collate_fn,
             num_workers=data_loader.num_workers,
             pin_memory=data_loader.pin_memory,
-            rows_per_example=rows_per_example,
-            seed=sampling_seed,
-            user_column=user_column,
-            user_key=user_key,
+            rows_per_example=opts.rows_per_example,
+            seed=opts.sampling_seed,
+            user_column=opts.user_column,
+            user_key=opts.user_key,
         )
 
     @staticmethod
-    def _join_processes(module: nn.Module, bounding_seed, sampling_seed):
+    def _join_processes(module: nn.Module, opts: SetupOptions) -> SetupOptions:
         """With several processes: the same bounding and sampling seeds and starting parameters on every
         rank (a seed left to the OS is drawn on rank 0 and shared)."""
         if distributed.world_size() > 1:
-            bounding_seed, sampling_seed = distributed.shared_seed(bounding_seed), distributed.shared_seed(sampling_seed)
+            opts = dataclasses.replace(opts, bounding_seed=distributed.shared_seed(opts.bounding_seed),
+                                       sampling_seed=distributed.shared_seed(opts.sampling_seed))
             distributed.broadcast_parameters(module)
-        return bounding_seed, sampling_seed
+        return opts
 
     def _install_accountant(self, sample_rate: float, events: StepEvent) -> None:
         """A fresh accountant of this engine's kind and relation for the mechanism's ``events``."""
@@ -256,19 +241,19 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 f"{previous.relation!r} relation; use PrivacyEngine(accountant='pld')."
             )
 
-    def _make_optimizer(self, optimizer_class, optimizer, module, grad_sample_mode, *, noise_generator, noise_seed,
-                        self_check, budget_guard, **mechanism_options) -> UserDPOptimizer:
+    def _make_optimizer(self, optimizer_class, optimizer, module, opts: SetupOptions, *, budget_guard,
+                        **mechanism_options) -> UserDPOptimizer:
         """Attach the per-user hooks and wrap ``optimizer`` in the mechanism's ``optimizer_class``."""
         self._position_hook = supply_position_ids(module)
-        hooks = UserGradSampleHooks(module, force_functorch=grad_sample_mode == "functorch")
+        hooks = UserGradSampleHooks(module, force_functorch=opts.grad_sample_mode == "functorch")
         return optimizer_class(
             optimizer,
             hooks=hooks,
-            generator=self.secure_rng if self.secure_mode else noise_generator,
-            noise_seed=noise_seed,
-            step_index=None if noise_seed is None else self.steps_accounted,
+            generator=self.secure_rng if self.secure_mode else opts.noise_generator,
+            noise_seed=opts.noise_seed,
+            step_index=None if opts.noise_seed is None else self.steps_accounted,
             secure_mode=self.secure_mode,
-            self_check=self_check,
+            self_check=opts.self_check,
             budget_guard=budget_guard,
             **mechanism_options,
         )

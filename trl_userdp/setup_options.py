@@ -1,0 +1,50 @@
+"""The set-up options both engines take (``**options`` of ``make_private_user_level``), defined and checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .data import DEFAULT_USER_COLUMN
+
+GRAD_SAMPLE_MODES = ("hooks", "functorch")
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupOptions:
+    """Who wrote each row, how rows are laid out, the seeds, and how per-sample gradients are computed.
+
+    Args:
+        user_ids: one user per row (else the ``user_column`` of a ``datasets.Dataset``).
+        user_column: the column naming each row's user.
+        rows_per_example: 2 for collators that emit ``[chosen; rejected]`` rows stacked in two blocks (row i and row
+            B + i are one example, as in TRL; an interleaved layout would be mis-assigned and is not detectable).
+        bounding_seed: which rows a user keeps when it has more than m (a function of that user's rows only).
+        sampling_seed: the user sampling (default: drawn from the OS).
+        noise_generator: the noise's generator; or ``noise_seed``: a generator keyed by (seed, step), which a
+            resumed run continues instead of replaying (default: seeded from the OS).
+        self_check: compare the first step's per-user gradients with autograd's.
+        grad_sample_mode: ``"hooks"`` or ``"functorch"`` (Opacus's per-sample gradients).
+        user_key: put each batch's row -> user map into the (dict) batch under this key; the training loop hands it
+            to ``optimizer.hooks.set_row_users`` itself (for loops that prefetch batches, like the Trainer).
+    """
+
+    user_ids: Optional[Sequence[Any]] = None
+    user_column: str = DEFAULT_USER_COLUMN
+    rows_per_example: int = 1
+    bounding_seed: Optional[int] = 0
+    sampling_seed: Optional[int] = None
+    noise_generator: Optional[torch.Generator] = None
+    noise_seed: Optional[int] = None
+    self_check: bool = True
+    grad_sample_mode: str = "hooks"
+    user_key: Optional[str] = None
+
+    def __post_init__(self):
+        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ValueError(
+                "grad_sample_mode must be 'hooks' or 'functorch': per-user averages need per-sample "
+                f"gradients, which ghost clipping does not produce (got {self.grad_sample_mode!r})."
+            )
