@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import TrlParser
 
 from trl_userdp import UserDPDPOConfig, UserDPDPOTrainer
+from trl_userdp.experiments.imdb import public_corpus
 from trl_userdp.experiments.pipeline.sentiment import imdb_preference_dataset, small_causal_lm
 
 DEFAULTS = ["--output_dir", "runs/dpo", "--max_steps", "20", "--per_device_train_batch_size", "8",
@@ -39,7 +40,8 @@ def main(argv=None):
     dataset = imdb_preference_dataset(script_args.n_users, script_args.pairs_per_user, prompt="Review:",
                                       user_column=training_args.user_column, seed=training_args.seed)
     if script_args.model_name_or_path == "small":
-        model, tokenizer = small_causal_lm(list(dataset["chosen"]) + list(dataset["rejected"]), seed=training_args.seed)
+        # its tokenizer is saved beside the model and no report covers it: trained on public text, not the users'
+        model, tokenizer = small_causal_lm(public_corpus(), seed=training_args.seed)
     else:
         tokenizer = AutoTokenizer.from_pretrained(script_args.model_name_or_path)
         model = AutoModelForCausalLM.from_pretrained(script_args.model_name_or_path)

@@ -1,8 +1,10 @@
+import json
 import subprocess
 import sys
 
 import pytest
 
+from trl_userdp import PrivacyReport
 from trl_userdp.cli import main
 
 
@@ -72,3 +74,25 @@ def test_an_empty_dataset_file_is_a_one_line_error(tmp_path):
     proc = _run("reward", "--dataset", str(path), "--output_dir", str(tmp_path / "out"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"trl-userdp: error: dataset file {str(path)!r} has no rows: there are no users to train on."
+
+
+def test_the_tiny_models_tokenizer_is_built_from_public_text_only(tmp_path):
+    """Every file saved beside a private model is covered by its report or built from public data: `dpo --model_name_or_path
+    tiny` used to train its tokenizer on the private texts and save it, so one user's words showed in the vocabulary
+    (issue 17). It is now the public corpus's tokenizer, whatever the users wrote."""
+    from trl_userdp.experiments.imdb import public_corpus
+    from trl_userdp.experiments.pipeline.sentiment import small_causal_lm
+
+    secret = "zqxvjsecretword"
+    rows = [{"prompt": "Review:", "chosen": f" good {secret if u == 7 else 'film'} fine", "rejected": " bad movie",
+             "user_id": u} for u in range(8) for _ in range(2)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    assert main(["dpo", "--dataset", str(path), "--model_name_or_path", "tiny", "--output_dir", str(out),
+                 "--max_steps", "1", "--per_device_train_batch_size", "4"]) == 0
+    saved = (out / "tokenizer.json").read_text()
+    _, public = small_causal_lm(public_corpus())
+    public.save_pretrained(tmp_path / "public")
+    assert saved == (tmp_path / "public" / "tokenizer.json").read_text()
+    assert secret[:6] not in saved and PrivacyReport.load(str(out)).epsilon <= 8.0

@@ -214,9 +214,11 @@ def dpo(data: "DataArguments", config) -> int:
 
     dataset = _load_data(data, config.user_column, for_dpo=True)
     if data.model_name_or_path in ("tiny", "minilm"):
+        from .experiments.imdb import public_corpus
         from .experiments.pipeline.sentiment import small_causal_lm
 
-        model, tokenizer = small_causal_lm(list(dataset["chosen"]) + list(dataset["rejected"]), seed=config.seed)
+        # the tokenizer is saved beside the model and no report covers it: trained on public text, not the users'
+        model, tokenizer = small_causal_lm(public_corpus(), seed=config.seed)
     else:
         tokenizer = AutoTokenizer.from_pretrained(data.model_name_or_path)
         model = AutoModelForCausalLM.from_pretrained(data.model_name_or_path)

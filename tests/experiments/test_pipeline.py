@@ -16,6 +16,9 @@ def test_pipeline_runs_every_stage_and_writes_results(tmp_path, capsys):
     assert [r["mechanism"] for r in payload["results"]] == ["none", "randomized_response", "user_dpsgd"]
     for r in payload["results"]:
         assert len(r["curve"]) == 3 and r["curve"][0]["step"] == 0  # start, step 1, step 2
+    baseline = payload["results"][0]["privacy_report"]  # its reward head saw the users without privacy: not public
+    assert baseline["epsilon"] == "inf" and baseline["extra"]["reward_model_reports"][0]["mechanism"] == "none"
+    assert payload["results"][0]["epsilon_spent"] is None  # the table's "∞ (none)"
     private = payload["results"][2]
     assert 0 < private["epsilon_spent"] <= 8.0
     assert private["privacy_report"]["mechanism"] == "post-processing"

@@ -1,6 +1,8 @@
 """Online RL on a private reward model is post-processing: it needs the reward model's privacy report,
 never sees preference labels, and carries the report to the policy (issue 6)."""
 
+import math
+
 import pytest
 from datasets import Dataset
 from trl import GRPOConfig, RLOOConfig
@@ -38,6 +40,8 @@ def test_online_rl_runs_on_a_private_reward_model_and_carries_its_report(tmp_pat
     assert carried.mechanism == "post-processing" and carried.epsilon == pytest.approx(original.epsilon)
     assert carried.extra["reward_model_reports"][0]["mechanism"] == "user_dpsgd"
     assert trainer.state.global_step == 2
+    logged = [h for h in trainer.state.log_history if "loss" in h or "train_loss" in h]
+    assert logged and all(h["epsilon"] == pytest.approx(original.epsilon) and h["delta"] == original.delta for h in logged)
 
 
 def test_a_reward_model_without_a_report_is_refused_unless_declared_public(tmp_path):
@@ -63,12 +67,23 @@ def test_preference_labels_never_reach_the_online_trainer(tmp_path, private_rewa
 
 
 def test_a_reward_model_trained_without_privacy_is_not_private(tmp_path):
+    """Refused by default; as a baseline (allow_non_private_reward) its policy states ε = ∞ in its report and logs,
+    never the ε = 0 of public rewards (issue 17)."""
     none = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path / "rm"), steps=1, privacy_mechanism="none")
     tokenizer = tiny_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE)
     with pytest.raises(ValueError, match="without privacy"):
-        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model,
-                          args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
+        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args, train_dataset=PROMPTS,
                           processing_class=tokenizer)
+    trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args,
+                                train_dataset=PROMPTS, processing_class=tokenizer, reward_processing_classes=tokenizer,
+                                allow_non_private_reward=True)
+    trainer.train()
+    trainer.save_model()
+    carried = PrivacyReport.load(str(tmp_path / "policy"))
+    assert math.isinf(carried.epsilon) and carried.extra["reward_model_reports"][0]["mechanism"] == "none"
+    logged = [h for h in trainer.state.log_history if "loss" in h or "train_loss" in h]
+    assert logged and all(math.isinf(h["epsilon"]) for h in logged)
 
 
 def test_declaring_a_rule_public_keeps_the_private_reward_models_report(tmp_path, private_reward):

