@@ -27,14 +27,14 @@ def _loss(out, target):
     return torch.nn.functional.binary_cross_entropy_with_logits(out.squeeze(-1), target)
 
 
-def _private_linear(n=200, n_users=30, lr=0.1, accountant="rdp", **kwargs):
+def _private_linear(n=200, n_users=30, lr=0.1, accountant="rdp", max_grad_norm=1.0, **kwargs):
     """(engine, model, optimizer, loader): a private Linear(5, 1) on :func:`_linear_task`."""
     dataset, user_ids = _linear_task(n=n, n_users=n_users)
     model = torch.nn.Linear(5, 1)
     engine = trl_userdp.PrivacyEngine(accountant=accountant)
     model, optimizer, loader = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data_loader=DataLoader(dataset),
-        max_grad_norm=1.0, user_ids=user_ids, **kwargs,
+        max_grad_norm=max_grad_norm, user_ids=user_ids, **kwargs,
     )
     return engine, model, optimizer, loader
 
@@ -128,6 +128,30 @@ def test_the_epsilon_entry_point_calibrates_as_the_sigma_one_does_with_a_target_
     assert eps(sigma) <= 3.0 < eps(sigma * 0.999)
     with pytest.raises(ValueError, match="calibrates σ; to fix σ use make_private_user_level"):
         trl_userdp.PrivacyEngine().make_private_user_level_with_epsilon(noise_multiplier=1.0, **plan)
+
+
+@pytest.mark.parametrize("clip", [1e6, 0.05], ids=["unclipped", "clipped"])
+def test_micro_batches_of_one_draw_give_the_one_batch_update(clip):
+    """micro_batches=k: the loader yields each draw of users as k micro-batches of whole users (some may be empty);
+    each micro-batch's loss is the mean of its rows; one optimizer.step() after the k-th. Same seeds: the same
+    users, per-user averages and noise as without micro-batches, one accounted step per draw (issue 13)."""
+    results = []
+    for k in (1, 3):
+        torch.manual_seed(0)
+        engine, model, optimizer, loader = _private_linear(
+            noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6, sampling_seed=3, noise_seed=4,
+            micro_batches=k, lr=0.5, max_grad_norm=clip)
+        assert len(loader) == k * 5
+        for i, (x, y) in enumerate(loader):
+            if len(x):
+                _loss(model(x), y).backward()
+            if i % k == k - 1:
+                optimizer.step()
+                optimizer.zero_grad()
+        results.append((model.weight.detach().clone(), engine.accountant.history))
+    (w1, h1), (w3, h3) = results
+    torch.testing.assert_close(w3, w1, atol=1e-6, rtol=1e-5)
+    assert h3 == h1 == [(0.7, 6 / 30, 5)]
 
 
 def test_a_plan_in_epochs_is_exactly_that_many_passes_over_the_loader():

@@ -103,9 +103,10 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         run_epsilon = target_epsilon - self.radius_epsilon
         self.svt_epsilon, *gaussian_budget = aup.split_budget(run_epsilon, target_delta, svt_fraction)
         shares = phase_shares(phases, phase_users)
-        if phases > 1 and opts.user_key is not None:
+        if phases > 1 and (opts.user_key is not None or opts.micro_batches > 1):
             raise ValueError("phases > 1 needs a loop that steps each batch before fetching the next; "
-                             "it cannot be used with user_key (transformers' Trainer prefetches batches).")
+                             "it cannot be used with user_key (transformers' Trainer prefetches batches) or "
+                             "micro_batches > 1.")
         m = self._check_model(module, optimizer, max_samples_per_user)
         if distributed.world_size() > 1:
             raise ValueError("AUP-RLHF compares every sampled user's gradient with every other's (the concentration "

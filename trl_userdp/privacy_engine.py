@@ -104,7 +104,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         ``options`` are the :class:`~trl_userdp.setup_options.SetupOptions`: who wrote each row (``user_ids`` or a
         ``user_column``), ``rows_per_example`` (2 for TRL's ``[chosen; rejected]`` collators), the seeds
         (``bounding_seed``, ``sampling_seed``, ``noise_generator`` or ``noise_seed``), ``self_check``,
-        ``grad_sample_mode`` and ``user_key``.
+        ``grad_sample_mode``, ``user_key`` and ``micro_batches`` (each draw as that many micro-batches, one
+        ``optimizer.step()`` after the last: a large logical step in bounded memory).
         Every batch the loader yields must be used by one ``optimizer.step()``.
         The loss must be the mean over the batch's rows; each user counts as the average of its rows.
         Under ``torch.distributed`` (one process per device, the plain module on each) every rank draws the
@@ -219,6 +220,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             seed=opts.sampling_seed,
             user_column=opts.user_column,
             user_key=opts.user_key,
+            micro_batches=opts.micro_batches,
         )
 
     @staticmethod

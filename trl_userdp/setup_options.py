@@ -29,6 +29,11 @@ class SetupOptions:
         grad_sample_mode: ``"hooks"`` or ``"functorch"`` (Opacus's per-sample gradients).
         user_key: put each batch's row -> user map into the (dict) batch under this key; the training loop hands it
             to ``optimizer.hooks.set_row_users`` itself (for loops that prefetch batches, like the Trainer).
+        micro_batches: the loader yields each draw of users as this many micro-batches of whole users; run the
+            backward pass of each and call ``optimizer.step()`` once after the last. A large logical step in bounded
+            activation memory; one draw is one accounted step. Each micro-batch's loss should be the mean of its
+            own rows: dividing it by ``micro_batches`` as usual gradient accumulation does scales every user's
+            gradient down (still private; the clip then acts as ``micro_batches·C``).
     """
 
     user_ids: Optional[Sequence[Any]] = None
@@ -41,6 +46,7 @@ class SetupOptions:
     self_check: bool = True
     grad_sample_mode: str = "hooks"
     user_key: Optional[str] = None
+    micro_batches: int = 1
 
     def __post_init__(self):
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:

@@ -75,7 +75,7 @@ def test_user_data_loader_records_the_map_of_the_yielded_batch(num_workers):
         num_workers=num_workers,
     )
     seen = []
-    loader.add_batch_callback(lambda r: seen.append(r.clone()))
+    loader.add_batch_callback(lambda r, continuation: seen.append(r.clone()))
     code = resolve_user_ids(TensorDataset(torch.zeros(n)), user_ids=users).codes
     for step, (rows, x) in enumerate(loader):
         assert loader.last_row_users.tolist() == code[rows.numpy()].tolist()

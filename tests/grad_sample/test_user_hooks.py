@@ -63,3 +63,19 @@ def test_rows_without_a_batch_dimension_raise_instead_of_a_wrong_gradient():
     (x,) = next(b for b in loader if len(b[0]) > 1)
     with pytest.raises(ValueError, match=r"'wpe.weight' got per-sample gradients for 1 rows.*position_ids"):
         model(x).mean().backward()
+
+
+def test_the_per_user_averages_are_the_hooks_own_tensors_not_a_second_copy():
+    """The optimizer averages the per-user sums in place: one [U, *p.shape] tensor per parameter, not two (issue 13)."""
+    engine, model, optimizer, loader, reference = make_private(MODELS["llama"]())
+    batch, row_users = first_batch(engine)
+    btl_pair_losses(model, batch).mean().backward()
+    sums = {p: p.grad_sample for p in optimizer.params}
+    pointers = {p: s.data_ptr() for p, s in sums.items()}
+    expected = {p: s.clone() / engine.hooks.unit_counts.view(-1, *([1] * (s.dim() - 1))) for p, s in sums.items()}
+    grads = optimizer.unit_gradients()
+    assert all(g.data_ptr() == pointers[p] for p, g in zip(optimizer.params, grads))
+    assert all(torch.allclose(g, expected[p]) for p, g in zip(optimizer.params, grads))
+    assert optimizer.unit_gradients() is grads  # a second call in the same step: the same averages
+    with pytest.raises(ValueError, match="after this step's per-user gradients were averaged"):
+        btl_pair_losses(model, batch).mean().backward()

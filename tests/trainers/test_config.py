@@ -19,7 +19,6 @@ def _cfg(cls, **kw):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps must be 1"),
         (dict(privacy_mechanism="laplace"), "privacy_mechanism must be one of"),
         (dict(target_epsilon=0.0), "target_epsilon"),
         (dict(target_delta=1.0), "target_delta"),
@@ -75,8 +74,8 @@ def test_privacy_fields_changed_after_the_config_was_built_are_checked_again(tmp
 
     tokenizer = tiny_tokenizer()
     args = _cfg(UserDPRewardConfig)
-    args.gradient_accumulation_steps = 2  # after __post_init__'s checks
-    with pytest.raises(ValueError, match="gradient_accumulation_steps must be 1"):
+    args.target_delta = 1.0  # after __post_init__'s checks
+    with pytest.raises(ValueError, match="target_delta must lie in"):
         UserDPRewardTrainer(model=tiny_reward_model(tokenizer), args=args, train_dataset=text_preference_dataset(),
                             processing_class=tokenizer)
 

@@ -45,6 +45,7 @@ class UserDataLoader(DataLoader):
         num_replicas: int = 1,
         rank: int = 0,
         user_key: Optional[str] = None,
+        micro_batches: int = 1,
         **kwargs: Any,
     ):
         clash = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & kwargs.keys())
@@ -72,6 +73,7 @@ class UserDataLoader(DataLoader):
             generator=generator,
             num_replicas=num_replicas,
             rank=rank,
+            micro_batches=micro_batches,
         )
         collator = UserCollator(collate_fn, template=tagged[0][0], rows_per_example=rows_per_example, user_key=user_key)
         super().__init__(tagged, batch_sampler=sampler, collate_fn=collator, **kwargs)
@@ -98,15 +100,21 @@ class UserDataLoader(DataLoader):
     def n_users(self) -> int:
         return self.user_index.n_users
 
-    def add_batch_callback(self, fn: Callable[[torch.Tensor], None]) -> None:
-        """Call ``fn(row_users)`` whenever a batch is yielded."""
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per draw (one optimizer step after all of them)."""
+        return self.batch_sampler.micro_batches
+
+    def add_batch_callback(self, fn: Callable[..., None]) -> None:
+        """Call ``fn(row_users, continuation=...)`` whenever a batch is yielded (``continuation``: a micro-batch
+        after the first of its draw)."""
         self._callbacks.append(fn)
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        for item in super().__iter__():
+        for i, item in enumerate(super().__iter__()):
             if self.stop_when is not None and self.stop_when():
                 return
             if self.user_key is not None:  # the users travel inside the batch (Trainer path)
@@ -115,7 +123,7 @@ class UserDataLoader(DataLoader):
             batch, row_users = item
             self.last_row_users = row_users
             for fn in self._callbacks:
-                fn(row_users)
+                fn(row_users, continuation=i % self.micro_batches > 0)
             yield batch
 
 

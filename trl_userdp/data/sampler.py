@@ -31,6 +31,9 @@ class UserPoissonSampler(Sampler[List[int]]):
             so every rank draws the same users — keep it secret in deployment).
         num_replicas, rank: data-parallel sharding. Every rank draws the same users and keeps those
             with ``user % num_replicas == rank``, so the ranks' batches together form one Poisson step.
+        micro_batches: yield each step's draw as this many consecutive micro-batches of whole users (as even
+            as the users allow; some may be empty), for a large logical step in bounded memory: one draw, one
+            optimizer step, one accounted step.
     """
 
     def __init__(
@@ -45,7 +48,11 @@ class UserPoissonSampler(Sampler[List[int]]):
         generator: Optional[torch.Generator] = None,
         num_replicas: int = 1,
         rank: int = 0,
+        micro_batches: int = 1,
     ):
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}.")
+        self.micro_batches = micro_batches
         self.users = users
         self.users_per_batch = check_users_per_batch(users_per_batch, users.n_users)
         self.sample_rate = self.users_per_batch / users.n_users
@@ -77,7 +84,7 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.rank = rank
 
     def __len__(self) -> int:
-        return self.steps
+        return self.steps * self.micro_batches
 
     def set_epoch(self, epoch: int) -> None:
         """Continue at the first step of epoch ``epoch`` (transformers' Trainer calls this, then skips the steps a
@@ -106,9 +113,11 @@ class UserPoissonSampler(Sampler[List[int]]):
                 self.generator.manual_seed(derive_seed(self.seed, "sampling", self.position))
             self.position += 1
             users = self.sample_users()
-            batch: List[int] = []
+            mine: List[List[int]] = []
             for u in users.tolist():
                 rows = self._rows(u)  # drawn on every rank, so generators stay in step
                 if u % self.num_replicas == self.rank:
-                    batch.extend(rows)
-            yield batch
+                    mine.append(rows)
+            k = self.micro_batches
+            for i in range(k):
+                yield [r for rows in mine[i * len(mine) // k: (i + 1) * len(mine) // k] for r in rows]

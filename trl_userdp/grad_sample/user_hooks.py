@@ -9,8 +9,9 @@ only one layer's per-row tensor is alive at a time.
 
 Row gradients follow Opacus's ``loss_reduction="mean"``: for a loss that is the mean over the
 batch's R rows, row i's gradient is ∇ℓ_i. Micro-batches of one logical step accumulate into the
-same unit slots; the optimizer divides each unit's sum by its row count (the user's average,
-AUP-RLHF Alg. 4's ``g_u``) before clipping.
+same unit slots (each micro-batch's loss is the mean of its own rows, not divided by the number of
+micro-batches); the optimizer divides each unit's sum by its row count (the user's average,
+AUP-RLHF Alg. 4's ``g_u``) in place before clipping.
 """
 
 from __future__ import annotations
@@ -72,15 +73,15 @@ class UserGradSampleHooks(GradSampleHooks):
         self.unit_ids: List[int] = []
         self._slot_of: Dict[int, int] = {}
         self.unit_counts = torch.zeros(0)
-        self.rows_seen = 0
-        self.micro_batches = 0
         self._counted_serial: Optional[int] = None
         self._row_slots: Optional[torch.Tensor] = None
+        #: the per-unit averages, once the optimizer has turned the sums into them (in place) for this step
+        self.unit_averages: Optional[List[torch.Tensor]] = None
         if clear_pending:
             self._pending = None
         for p in self.param_names:
             p.grad_sample = None
-            for attr in ("_unit_grad", "_row_norm_sum"):
+            for attr in ("_unit_grad", "_row_norm_sum", "_check_sum"):
                 if hasattr(p, attr):
                     delattr(p, attr)
 
@@ -102,8 +103,6 @@ class UserGradSampleHooks(GradSampleHooks):
             counts[: len(self.unit_counts)] = self.unit_counts
             counts.index_add_(0, self._row_slots, torch.ones(len(slots)))
             self.unit_counts = counts
-            self.rows_seen += len(slots)
-            self.micro_batches += 1
             self._counted_serial = self._serial
         return self._row_slots
 
@@ -119,6 +118,10 @@ class UserGradSampleHooks(GradSampleHooks):
                 self._accumulate(p, rows)
 
     def _accumulate(self, p: nn.Parameter, rows: torch.Tensor) -> None:
+        if self.unit_averages is not None:
+            raise ValueError("A backward pass ran after this step's per-user gradients were averaged (unit_gradients() "
+                             "or the optimizer's step): its rows would be added to averages. Run every micro-batch's "
+                             "backward pass before optimizer.step().")
         slots = self._slots_for_current_batch()
         if rows.shape[0] != len(slots):
             raise ValueError(
@@ -136,8 +139,12 @@ class UserGradSampleHooks(GradSampleHooks):
                 grown[: acc.shape[0]] = acc
             acc = grown
         acc.index_add_(0, slots, rows)
-        if self.record_row_norms:  # the size of the summed terms, for the optimizer's self-check
-            p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + float(torch.linalg.vector_norm(rows.flatten(1), dim=1).sum())
+        if self.record_row_norms and len(slots):
+            # for the optimizer's self-check: what autograd's gradient must be (each micro-batch's loss is the mean
+            # of its rows) and the size of the summed terms
+            n = len(slots)
+            p._check_sum = getattr(p, "_check_sum", 0.0) + rows.sum(0) / n
+            p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + float(torch.linalg.vector_norm(rows.flatten(1), dim=1).sum()) / n
         p._unit_grad = acc
         p.grad_sample = acc
 

@@ -99,13 +99,16 @@ class UserDPOptimizer(DPOptimizer):
         return self.hooks.param_names.get(p, f"<parameter of shape {tuple(p.shape)}>")
 
     def unit_gradients(self) -> List[torch.Tensor]:
-        """Each parameter's per-unit *averaged* gradients ``[U, *p.shape]`` for the current step
-        (unit order: ``hooks.unit_ids``), from the hooks' per-unit sums; does not modify state.
+        """Each parameter's per-unit *averaged* gradients ``[U, *p.shape]`` for the current step (unit order:
+        ``hooks.unit_ids``). The hooks' per-unit sums are divided by the units' row counts in place, so no second
+        copy of the per-user gradients is made; calling it again in the same step returns the same tensors.
 
         A unit whose averaged gradient is not finite in some parameter (a NaN label, an overflowing loss or
         input) gets zero in every parameter: its clip factor is 0, so it adds nothing instead of NaN to
         everyone's update. This is a function of that unit's data alone, so each unit's influence stays
         within its sensitivity (docs/privacy_model.md, "Faults")."""
+        if self.hooks.unit_averages is not None:
+            return self.hooks.unit_averages
         stray = [name for p, name in self.hooks.param_names.items() if getattr(p, "_forward_counter", 0) != 0]
         if stray:
             raise ValueError(
@@ -115,7 +118,7 @@ class UserDPOptimizer(DPOptimizer):
             )
         counts = self.hooks.unit_counts
         n_units = len(counts)
-        all_sums = []
+        out = []
         for p in self.params:
             sums = p.grad_sample
             if sums is None:
@@ -128,15 +131,16 @@ class UserDPOptimizer(DPOptimizer):
                 sums = torch.zeros((n_units, *p.shape), device=p.device, dtype=p.dtype)
             elif sums.shape[0] < n_units:  # unused in a later micro-batch: zero for the new units
                 sums = torch.cat([sums, sums.new_zeros((n_units - sums.shape[0], *p.shape))])
-            all_sums.append(sums)
-        out = [s / counts.to(s.device, s.dtype).view(-1, *([1] * (s.dim() - 1))) for s in all_sums]
+            out.append(sums)
         bad = self._non_finite_units(out)
-        if self.self_check and n_units > 0 and self.hooks.micro_batches == 1:
-            if bad is None and self._self_check(all_sums):  # otherwise autograd's sum is not finite: a later step
+        if self.self_check and n_units > 0:
+            if bad is None and self._self_check():  # otherwise autograd's sum is not finite: a later step
                 self.self_check = self.hooks.record_row_norms = False
-        if bad is not None:
-            for g in out:
+        for g in out:
+            g.div_(counts.to(g.device, g.dtype).view(-1, *([1] * (g.dim() - 1))))
+            if bad is not None:
                 g.masked_fill_(bad.to(g.device).view(-1, *([1] * (g.dim() - 1))), 0)
+        self.hooks.unit_averages = out
         return out
 
     def _non_finite_units(self, unit_grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -160,8 +164,10 @@ class UserDPOptimizer(DPOptimizer):
             )
         return bad
 
-    def _self_check(self, sums: List[torch.Tensor]) -> bool:
-        """Refuse to train if the per-unit sums do not add up to autograd's gradient, ``Σ_u S_u / R = p.grad``.
+    def _self_check(self) -> bool:
+        """Refuse to train if the per-row gradients the hooks summed per unit do not add up to autograd's gradient:
+        ``p.grad = Σ_k (1/R_k) Σ_{r ∈ k} g_r`` over the step's micro-batches k (the hooks keep that weighted sum while
+        the check is pending; one micro-batch: ``Σ_u S_u / R``).
 
         Float error is relative to the size of what was summed, so each parameter's tolerance is
         ``rtol · max(‖p.grad‖, Σ_r ‖row gradient‖ / R, ‖whole gradient‖ · √(numel_p / numel))`` with ``rtol`` set
@@ -170,23 +176,23 @@ class UserDPOptimizer(DPOptimizer):
         bias: softmax ignores it), whose computed gradient is float noise of the layer's scale. Returns False, deferring
         the check to a later step, when autograd's gradient is not finite although every user's is (a sum that
         overflowed): there is nothing to compare to."""
-        checked = [(p, s) for p, s in zip(self.params, sums) if p.grad is not None]
-        rows = self.hooks.rows_seen
+        checked = [(p, getattr(p, "_check_sum", None)) for p in self.params if p.grad is not None]
         whole = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad.float())) ** 2 for p, _ in checked))
         if not math.isfinite(whole):  # autograd's sum overflowed (huge but finite users): nothing to compare to
             return False
         numel = sum(p.numel() for p, _ in checked)
         for p, s in checked:
             expected = p.grad.reshape(p.shape).float()
-            err = float(torch.linalg.vector_norm(s.sum(0).float() / rows - expected))
-            rtol = max(1e-3, 16 * torch.finfo(s.dtype).eps)
-            scale = max(float(torch.linalg.vector_norm(expected)), getattr(p, "_row_norm_sum", 0.0) / rows,
+            s = torch.zeros_like(expected) if s is None else s.float()
+            err = float(torch.linalg.vector_norm(s - expected))
+            rtol = max(1e-3, 16 * torch.finfo(p.dtype).eps)
+            scale = max(float(torch.linalg.vector_norm(expected)), getattr(p, "_row_norm_sum", 0.0),
                         whole * math.sqrt(p.numel() / numel))
             if not err <= rtol * scale + 1e-12:
                 raise ValueError(
                     f"Self-check failed for {self._param_name(p)!r}: the per-user gradients add up to a different "
                     f"gradient than autograd's (relative error {err / max(scale, 1e-30):.2e}, tolerance {rtol:.1e} for "
-                    f"{s.dtype}). Training would be wrong, so it stops here. Common causes: a forward that uses a "
+                    f"{p.dtype}). Training would be wrong, so it stops here. Common causes: a forward that uses a "
                     "weight outside its module (fused or functional heads on tied embeddings, e.g. TRL's fused LM "
                     "head); non-reentrant gradient checkpointing; several backward passes per batch; a layer that "
                     "mixes the rows of a batch; non-finite values (NaN data) that reach several users' rows."
@@ -201,7 +207,7 @@ class UserDPOptimizer(DPOptimizer):
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
         self.key_randomness()
         for p, g in zip(self.params, self.unit_gradients()):
-            p.grad_sample = g
+            p.grad_sample = g  # the hooks' own tensor, averaged in place (a new one only for an unused parameter)
         return super().pre_step(closure)
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

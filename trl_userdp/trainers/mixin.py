@@ -168,6 +168,11 @@ class UserDPTrainerMixin:
                     "trl_userdp.PrivacyEngine.make_private_user_level in your own loop; it shards users by rank."
                 )
             self.add_callback(PrivacyBudgetCallback(self))
+            # Each micro-batch's loss is the mean of its own rows and each row's gradient must be its own (the hooks
+            # average per user), so the Trainer must not divide the loss by gradient_accumulation_steps.
+            self.loss_is_scaled_for_ga = True
+        #: position of the next training micro-batch within its draw of users, and whether the current one continues a draw
+        self._draw_part, self._continuation = 0, False
 
     @property
     def _dp_active(self) -> bool:
@@ -178,7 +183,8 @@ class UserDPTrainerMixin:
         self.model.train()  # from_pretrained leaves models in eval mode; the Trainer switches later
         if self.optimizer is None:
             self.create_optimizer()
-        users_per_batch = float(args.per_device_train_batch_size) if args.users_per_batch is None else args.users_per_batch
+        users_per_batch = (float(args.per_device_train_batch_size * args.gradient_accumulation_steps)
+                           if args.users_per_batch is None else args.users_per_batch)
         common = dict(
             module=self.model,
             optimizer=self.optimizer,
@@ -194,6 +200,7 @@ class UserDPTrainerMixin:
             sampling_seed=args.privacy_seed,
             noise_seed=args.privacy_seed,  # keyed by (seed, step): a resumed run continues the noise, never replays it
             user_key=USER_KEY,
+            micro_batches=args.gradient_accumulation_steps,  # one draw of users, accumulated over the micro-batches
         )
         length = dict(steps=args.max_steps) if args.max_steps > 0 else dict(epochs=args.num_train_epochs)
         engine, optimizer, loader = get_mechanism(args.privacy_mechanism).make_private(args, **common, **length)
@@ -224,10 +231,13 @@ class UserDPTrainerMixin:
         if self._dp_active and model.training:
             if row_users is None:
                 raise ValueError("A training batch came without its row -> user map; use the trainer's own train loader.")
-            self.privacy_engine.hooks.set_row_users(row_users.cpu())
+            self.privacy_engine.hooks.set_row_users(row_users.cpu(), continuation=self._continuation)
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._dp_active:  # the loader yields each draw as gradient_accumulation_steps micro-batches
+            self._continuation = self._draw_part > 0
+            self._draw_part = (self._draw_part + 1) % self.args.gradient_accumulation_steps
         if self._dp_active and self.control.should_training_stop:
             # the budget callback found the budget spent (or AUP-RLHF halted) before this step, e.g. in a resumed
             # run: no forward pass; the optimizer's own guard skips the step
@@ -237,7 +247,7 @@ class UserDPTrainerMixin:
             # A step with no sampled user: no forward pass (models fail on zero rows); the optimizer still
             # takes its noise-only step, and the accountant counts it.
             inputs.pop(USER_KEY, None)
-            self.privacy_engine.hooks.set_row_users(torch.zeros(0, dtype=torch.long))
+            self.privacy_engine.hooks.set_row_users(torch.zeros(0, dtype=torch.long), continuation=self._continuation)
             return torch.zeros((), device=self.args.device)
         return super().training_step(model, inputs, num_items_in_batch)
 

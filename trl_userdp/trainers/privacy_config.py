@@ -43,7 +43,8 @@ class UserDPArguments:
         default=10, metadata={"help": "m: rows a user may contribute; extra rows are dropped once, seeded."}
     )
     users_per_batch: Optional[float] = dataclasses.field(
-        default=None, metadata={"help": "Expected users per step ñ (default: per_device_train_batch_size)."}
+        default=None, metadata={"help": "Expected users per optimizer step ñ (default: per_device_train_batch_size × "
+                                         "gradient_accumulation_steps)."}
     )
     user_column: str = dataclasses.field(default="user_id", metadata={"help": "Column naming each row's user."})
     concentration_radius: Optional[float] = dataclasses.field(
@@ -135,11 +136,6 @@ class UserDPArguments:
         if getattr(self, "include_num_input_tokens_seen", "no") not in ("no", False):
             logger.warning("include_num_input_tokens_seen counts the tokens of private batches; turned off under DP.")
             self.include_num_input_tokens_seen = "no"
-        if self.gradient_accumulation_steps != 1:
-            raise ValueError(
-                "gradient_accumulation_steps must be 1 under user-level DP: each optimizer step must use exactly one "
-                "Poisson draw of users (raise users_per_batch for larger steps)."
-            )
         if getattr(self, "padding_free", False):
             raise ValueError("padding_free=True packs several users' rows into one: set padding_free=False under DP.")
         if self.max_grad_norm and self.max_grad_norm > 0:
