@@ -145,6 +145,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             mech.optimizer_class(distributed.world_size()), optimizer, module, opts,
             budget_guard=self._check_budget if target_epsilon is not None else None,
             noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_units,
+            **mech.optimizer_options(expected_units),
         )
         budget = None if target_epsilon is None else (target_epsilon, target_delta)
         return self._finish(module, dp_optimizer, loader, mech, total_steps, budget)
@@ -415,7 +416,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             max_grad_norm=opt.max_grad_norm,
             extra={"expected_units_per_step": getattr(opt, "global_expected_batch_size", opt.expected_batch_size),
                    "clipping_unit": self.mechanism.clipping_unit,
-                   "world_size": distributed.world_size()},
+                   "world_size": distributed.world_size(),
+                   **self.mechanism.report_extra(opt)},
         )
 
     def detach(self) -> None:

@@ -37,8 +37,8 @@ def relabelled(monkeypatch):
 
 
 def test_the_built_in_mechanisms_are_registered_with_their_kinds():
-    assert mechanism_names() == ("none", "randomized_response", "group", "user_dpsgd", "aup")
-    assert mechanism_names("gradient") == ("group", "user_dpsgd", "aup")
+    assert mechanism_names() == ("none", "randomized_response", "group", "user_dpsgd", "user_dpsgd_adaptive", "aup")
+    assert mechanism_names("gradient") == ("group", "user_dpsgd", "user_dpsgd_adaptive", "aup")
     assert mechanism_names("labels") == ("randomized_response",)
     with pytest.raises(ValueError, match=r"privacy_mechanism must be one of \('none'"):
         get_mechanism("laplace")

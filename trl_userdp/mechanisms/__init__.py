@@ -1,6 +1,6 @@
 """Privacy mechanisms, one object each, in the registry every entry point uses (:mod:`.base`): no privacy,
 user-level randomized response (labels, once, before training), the group-privacy baseline, user-wise DP-SGD
-and AUP-RLHF (its formulas in :mod:`trl_userdp.mechanisms.aup`). Registration order is the order they are listed in."""
+with a fixed or an adaptive clip, and AUP-RLHF (its formulas in :mod:`trl_userdp.mechanisms.aup`). Registration order is the order they are listed in."""
 
 from .base import (
     MECHANISM_REGISTRY,
@@ -14,10 +14,12 @@ from .base import (
 from .randomized_response import PRIVATIZED_COLUMN, RandomizedResponse, UserRandomizedResponse
 from .group import GroupPrivacy
 from .user_dpsgd import UserDPSGD
+from .adaptive_clipping import AdaptiveClipUserDPSGD
 from .aup import AUPRLHF
 
 __all__ = [
     "AUPRLHF",
+    "AdaptiveClipUserDPSGD",
     "GradientMechanism",
     "MECHANISM_REGISTRY",
     "GroupPrivacy",

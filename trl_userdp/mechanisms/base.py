@@ -102,6 +102,14 @@ class GradientMechanism(Mechanism):
         """How the accountant reads one step (:mod:`trl_userdp.accountants.events`)."""
         raise NotImplementedError
 
+    def optimizer_options(self, expected_units: float) -> Dict[str, Any]:
+        """Keyword arguments of its optimizer beyond the shared ones (σ, C, ñ, hooks, seeds)."""
+        return {}
+
+    def report_extra(self, optimizer: Any) -> Dict[str, Any]:
+        """What its privacy report adds under ``extra``."""
+        return {}
+
     @classmethod
     def make_private(cls, args: Any, **engine_arguments: Any) -> Tuple[Any, Any, Any]:
         """``(engine, optimizer, loader)`` for a trainer: the engine call this mechanism's trainer fields

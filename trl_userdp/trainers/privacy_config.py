@@ -20,7 +20,9 @@ class UserDPArguments:
 
     ``privacy_mechanism`` names a registered mechanism (:mod:`trl_userdp.mechanisms`): ``"user_dpsgd"`` (clip
     each user's averaged gradient, Gaussian noise), ``"aup"`` (AUP-RLHF; needs ``concentration_radius``),
-    ``"group"`` (item-level DP-SGD with group-privacy accounting), ``"randomized_response"`` (labels privatized
+    ``"group"`` (item-level DP-SGD with group-privacy accounting), ``"user_dpsgd_adaptive"`` (user-wise DP-SGD whose
+    clip, starting at ``per_user_max_grad_norm``, follows a private quantile of the users' norms),
+    ``"randomized_response"`` (labels privatized
     once, then the de-biased loss: pure ε, labels only) or ``"none"`` (plain TRL training, for baselines).
     """
 
@@ -54,6 +56,13 @@ class UserDPArguments:
         default=None, metadata={"help": "ñ_max, AUP's truncation (default ñ + 4√ñ)."}
     )
     svt_fraction: float = dataclasses.field(default=0.5, metadata={"help": "Share of ε for AUP's AboveThreshold."})
+    target_unclipped_quantile: float = dataclasses.field(
+        default=0.5, metadata={"help": "user_dpsgd_adaptive: fraction of users the clip should cover (γ)."})
+    clip_learning_rate: float = dataclasses.field(
+        default=0.2, metadata={"help": "user_dpsgd_adaptive: step of the clip's geometric update (η)."})
+    count_noise_multiplier: Optional[float] = dataclasses.field(
+        default=None, metadata={"help": "user_dpsgd_adaptive: noise std σ_b on the count of users within the clip "
+                                        "(default: max(users_per_batch / 20, σ))."})
     accountant: str = dataclasses.field(default="pld", metadata={"help": "dp-accounting accountant: 'pld' or 'rdp'."})
     neighboring_relation: str = dataclasses.field(
         default="add_or_remove", metadata={"help": "'add_or_remove' or 'replace' one user."}
