@@ -34,6 +34,17 @@ def gradient_noise_multiplier(noise_multiplier: float, count_noise_multiplier: f
     return (noise_multiplier ** -2 - (2 * count_noise_multiplier) ** -2) ** -0.5
 
 
+def default_count_noise_multiplier(expected_units: float, noise_multiplier: float) -> float:
+    """``σ_b = max(ñ/20, σ)``: Andrew et al.'s ñ/20 for hundreds of users per step; at least σ keeps ``σ_Δ ≤ 1.155σ``."""
+    return max(expected_units / 20, noise_multiplier)
+
+
+def next_clip(clip: float, centred_noisy_count: float, expected_units: float, target_quantile: float,
+              clip_learning_rate: float) -> float:
+    """``C_{t+1} = C_t · exp(−η (b̃ − γ))`` with ``b̃ = (Σ_u (b_u − ½) + noise)/ñ + ½`` (Andrew et al. 2021, Alg. 1)."""
+    return clip * math.exp(-clip_learning_rate * (centred_noisy_count / expected_units + 0.5 - target_quantile))
+
+
 class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
     """:class:`UserDPOptimizer` with Andrew et al.'s private quantile clipping on per-user norms.
 
@@ -54,7 +65,7 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
         self.target_quantile = float(target_quantile)
         self.clip_learning_rate = float(clip_learning_rate)
         if count_noise_multiplier is None:
-            count_noise_multiplier = max(self.expected_batch_size / 20, self.noise_multiplier)
+            count_noise_multiplier = default_count_noise_multiplier(self.expected_batch_size, self.noise_multiplier)
         self.count_noise_multiplier = float(count_noise_multiplier)
         self.gradient_noise_multiplier = gradient_noise_multiplier(self.noise_multiplier, self.count_noise_multiplier)
         self.initial_max_grad_norm = float(self.max_grad_norm)
@@ -84,9 +95,8 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
         reference = torch.zeros((), device=self.params[0].device if self.params else "cpu")
         noisy = centred + float(_generate_noise(std=self.count_noise_multiplier, reference=reference,
                                                 generator=self.generator, secure_mode=self.secure_mode))
-        fraction = noisy / self.expected_batch_size + 0.5
-        self.max_grad_norm *= math.exp(-self.clip_learning_rate * (fraction - self.target_quantile))
-        self.last_unclipped_fraction = fraction
+        self.max_grad_norm = next_clip(self.max_grad_norm, noisy, self.expected_batch_size, self.target_quantile,
+                                       self.clip_learning_rate)
 
     @property
     def units_in_step(self) -> int:

@@ -19,6 +19,7 @@ from ...accountants.events import GroupPrivacyGaussian, PoissonGaussian
 from ...data.phases import phase_shares
 from ...mechanisms import UserRandomizedResponse, aup
 from ...mechanisms.aup import keep_probabilities, pairwise_distances
+from ...optimizers.adaptive_clip_optimizer import default_count_noise_multiplier, gradient_noise_multiplier, next_clip
 from .btl import BTLData, project_theta
 from .estimators import _sigmoid, objective_perturbation, rr_debiased_mle
 
@@ -96,6 +97,36 @@ def user_dpsgd(
         noisy = (g.sum(0) + rng.normal(0, sigma * max_grad_norm, theta.shape)) / users_per_batch
         theta = project_theta(theta - lr * noisy, B)
         iterates.append(theta)
+    return SGDResult(_average(iterates), steps)
+
+
+def user_dpsgd_adaptive(
+    data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, lr: float,
+    initial_clip: float, rng: np.random.Generator, B: float, target_quantile: float = 0.5,
+    clip_learning_rate: float = 0.2, count_noise_multiplier: Optional[float] = None, relation: str = "add_or_remove",
+) -> SGDResult:
+    """User-wise DP-SGD with adaptive per-user clipping (docs/mechanisms.md, M1a; the mechanism of
+    :class:`~trl_userdp.optimizers.AdaptiveClipUserDPOptimizer` with its formulas): σ as :func:`user_dpsgd`, the
+    clip starts at ``initial_clip`` and follows the private ``target_quantile`` of the sampled users' norms."""
+    x, y, _ = _by_user(data)
+    n = len(x)
+    q = users_per_batch / n
+    sigma = _sigma_poisson(epsilon, delta, q, steps, relation=relation)
+    sigma_b = (default_count_noise_multiplier(users_per_batch, sigma) if count_noise_multiplier is None
+               else count_noise_multiplier)
+    sigma_delta = gradient_noise_multiplier(sigma, sigma_b)
+    theta = project_theta(np.zeros(x.shape[-1]), B)
+    clip, iterates = float(initial_clip), []
+    for _ in range(steps):
+        users = np.flatnonzero(rng.random(n) < q)
+        g = user_gradients(theta, x[users], y[users])
+        norms = np.linalg.norm(g, axis=1, keepdims=True)
+        g *= np.minimum(1.0, clip / np.maximum(norms, 1e-12))
+        noisy = (g.sum(0) + rng.normal(0, sigma_delta * clip, theta.shape)) / users_per_batch
+        theta = project_theta(theta - lr * noisy, B)
+        iterates.append(theta)
+        centred = float((norms <= clip).sum()) - len(users) / 2 + rng.normal(0, sigma_b)
+        clip = next_clip(clip, centred, users_per_batch, target_quantile, clip_learning_rate)
     return SGDResult(_average(iterates), steps)
 
 
@@ -205,6 +236,7 @@ __all__ = [
     "theorem4_lr",
     "theorem4_tau",
     "user_dpsgd",
+    "user_dpsgd_adaptive",
     "user_gradients",
     "user_objective_perturbation",
     "user_rr_mle",
