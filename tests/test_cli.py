@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from trl_userdp import PrivacyReport
 from trl_userdp.cli import main
@@ -96,3 +97,35 @@ def test_the_tiny_models_tokenizer_is_built_from_public_text_only(tmp_path):
     public.save_pretrained(tmp_path / "public")
     assert saved == (tmp_path / "public" / "tokenizer.json").read_text()
     assert secret[:6] not in saved and PrivacyReport.load(str(out)).epsilon <= 8.0
+
+
+def test_a_yaml_output_dir_and_resume_from_checkpoint_are_honoured(tmp_path, capsys):
+    """Both used to be overridden or ignored (issue 17): the injected --output_dir beat the YAML's, and
+    --resume_from_checkpoint never reached trainer.train(). A resumed run continues the checkpoint's steps and ε (the
+    same weights as the uninterrupted run: noise and sampling are keyed by step); a checkpoint without its privacy
+    state is refused."""
+    from safetensors.torch import load_file
+
+    rows = [{"prompt": "Review:", "chosen": " good film", "rejected": " bad movie", "user_id": u}
+            for u in range(8) for _ in range(2)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'from_yaml'}\nmax_steps: 4\nsave_steps: 2\n"
+                      "per_device_train_batch_size: 4\nprivacy_seed: 0\n")
+    common = ["dpo", "--dataset", str(data), "--model_name_or_path", "tiny"]
+    assert main([*common, "--config", str(config)]) == 0
+    full = tmp_path / "from_yaml"
+    assert (full / "checkpoint-2" / "privacy_state.pt").is_file()
+    resumed = tmp_path / "resumed"
+    assert main([*common, "--config", str(config), "--output-dir", str(resumed),
+                 "--resume_from_checkpoint", str(full / "checkpoint-2")]) == 0
+    a, b = PrivacyReport.load(str(full)), PrivacyReport.load(str(resumed))
+    assert b.steps_taken == a.steps_taken == 4 and b.epsilon == a.epsilon
+    wa, wb = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    (full / "checkpoint-2" / "privacy_state.pt").unlink()
+    capsys.readouterr()
+    assert main([*common, "--config", str(config), "--output-dir", str(tmp_path / "bad"),
+                 "--resume_from_checkpoint", str(full / "checkpoint-2")]) == 2
+    assert "has no privacy_state.pt: resuming would reset the accountant" in capsys.readouterr().err

@@ -198,7 +198,7 @@ def reward(data: "DataArguments", config) -> int:
             p.requires_grad_(True)
     trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=dataset,
                                   processing_class=tokenizer, peft_config=_lora("SEQ_CLS") if data.use_peft else None)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     print(trainer.privacy_report().to_json())
     return 0
@@ -225,7 +225,7 @@ def dpo(data: "DataArguments", config) -> int:
     reference = None if data.use_peft else copy.deepcopy(model)
     trainer = UserDPDPOTrainer(model=model, ref_model=reference, args=config, train_dataset=dataset,
                                processing_class=tokenizer, peft_config=_lora("CAUSAL_LM") if data.use_peft else None)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     print(trainer.privacy_report().to_json())
     return 0
@@ -248,7 +248,7 @@ def rl(rl_args: "RLArguments", config) -> int:
                                 train_dataset=Dataset.from_dict({"prompt": prompts}),
                                 processing_class=AutoTokenizer.from_pretrained(rl_args.policy_model),
                                 reward_processing_classes=AutoTokenizer.from_pretrained(rl_args.reward_model))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     print(trainer.carried_privacy_report().to_json())
     return 0
@@ -295,14 +295,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         from trl import TrlParser
 
-        if name in DEFAULT_OUTPUT and not any(a.startswith("--output_dir") for a in rest):
-            rest = [*rest, "--output_dir", DEFAULT_OUTPUT[name]]
-        if name in DEFAULT_OUTPUT and not any(a.startswith("--bf16") for a in rest):
+        parser = TrlParser(dataclass_types=_types(name), prog=f"trl-userdp {name}")
+        if name in DEFAULT_OUTPUT:  # defaults, so that a --config YAML and either flag spelling win over them
             import torch
 
+            parser.set_defaults(output_dir=DEFAULT_OUTPUT[name])
             if not torch.cuda.is_available():  # TRL defaults to bf16, which a CPU-only machine refuses
-                rest = [*rest, "--bf16", "false"]
-        parser = TrlParser(dataclass_types=_types(name), prog=f"trl-userdp {name}")
+                parser.set_defaults(bf16=False)
         parsed = parser.parse_args_and_config(args=rest)
         return COMMANDS[name](*parsed)
     except (ValueError, OSError) as err:  # bad input, a missing file or model directory: one line, no traceback
