@@ -34,6 +34,13 @@ def test_mechanism_trains_three_steps(tmp_path, mechanism, script, trainer_cls, 
     assert trainer.state.global_step == 3
     report = PrivacyReport.load(str(tmp_path))
     assert report.mechanism == mechanism
+    card = (tmp_path / "README.md").read_text()  # TRL's model card, with the same statement (issue 17)
+    assert "## Privacy" in card and "user-level-dp" in card and f"mechanism: `{mechanism}`" in card
+    if mechanism == "none":
+        assert "without differential privacy (ε = ∞)" in card
+    else:
+        assert f"(ε = {report.epsilon:.4g}, δ = {report.delta:g})-differential privacy for one user" in card
+        assert ("labels only" in card) == (mechanism == "randomized_response")
     if mechanism == "none":
         assert math.isinf(report.epsilon)
     elif mechanism == "randomized_response":

@@ -40,6 +40,8 @@ def test_online_rl_runs_on_a_private_reward_model_and_carries_its_report(tmp_pat
     assert carried.mechanism == "post-processing" and carried.epsilon == pytest.approx(original.epsilon)
     assert carried.extra["reward_model_reports"][0]["mechanism"] == "user_dpsgd"
     assert trainer.state.global_step == 2
+    card = (tmp_path / "README.md").read_text()
+    assert f"(ε = {carried.epsilon:.4g}, δ = {carried.delta:g})" in card and "post-processing of their guarantee" in card
     logged = [h for h in trainer.state.log_history if "loss" in h or "train_loss" in h]
     assert logged and all(h["epsilon"] == pytest.approx(original.epsilon) and h["delta"] == original.delta for h in logged)
 

@@ -56,6 +56,31 @@ class PrivacyReport:
             d["epsilon"] = math.inf
         return cls(**d)
 
+    def to_markdown(self) -> str:
+        """The "Privacy" section of a model card: what is protected, by which mechanism, at which (ε, δ), and what
+        is not protected; the full statement is ``privacy_report.json``."""
+        unit = "one user (all of their rows)" if self.privacy_unit == "user" else self.privacy_unit
+        if math.isinf(self.epsilon):
+            guarantee = "**none**: trained on the users' data without differential privacy (ε = ∞)"
+        else:
+            guarantee = (f"(ε = {self.epsilon:.4g}, δ = {self.delta:g})-differential privacy for {unit}, under the "
+                         f"{self.neighboring_relation.replace('_', '/')} relation")
+        lines = ["## Privacy", "", f"Trained with trl_userdp: {guarantee}.", "",
+                 f"- mechanism: `{self.mechanism}`; accountant: {self.accountant}; steps accounted: {self.steps_taken}"]
+        if self.n_users:
+            lines.append(f"- users: {self.n_users}, at most {self.max_samples_per_user} rows each"
+                         + ("" if self.sample_rate is None else f"; user sampling rate {self.sample_rate:.4g}")
+                         + ("" if self.noise_multiplier is None else f"; noise multiplier {self.noise_multiplier:.4g}"))
+        if self.extra.get("protects") == "labels only":
+            lines.append("- not protected: the prompts and responses (randomized response privatizes the preference "
+                         "labels only)")
+        elif not math.isinf(self.epsilon):
+            lines.append("- not protected: the number of users and the sampling rate, which are treated as public")
+        if self.extra.get("reward_model_reports"):
+            lines.append("- a policy trained against the reward model(s) above: post-processing of their guarantee")
+        lines += ["", f"The full statement is `{REPORT_FILENAME}` beside the model.", ""]
+        return "\n".join(lines)
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 

@@ -34,6 +34,7 @@ from ..data import resolve_user_ids
 from ..mechanisms import NoPrivacy, UserRandomizedResponse, get_mechanism, mechanism_names
 from ..mechanisms.randomized_response import OUTPUT_DIR as RR_OUTPUT_DIR
 from .fused_head import unfuse_lm_head
+from .model_card import PrivacyModelCardMixin
 from .privacy_config import UserDPArguments
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class PrivacyBudgetCallback(TrainerCallback):
         return self._check(control)
 
 
-class UserDPTrainerMixin:
+class UserDPTrainerMixin(PrivacyModelCardMixin):
     """Mixed in before a TRL trainer class; see the module docstring.
 
     One cooperative ``__init__`` serves every trainer: it finds ``args`` and ``train_dataset`` in the TRL
@@ -309,6 +310,9 @@ class UserDPTrainerMixin:
         if self.privacy_engine is None:
             raise ValueError("No private step has been set up yet (call train()).")
         return self.privacy_engine.privacy_report(self.args.target_delta)
+
+    def card_privacy_report(self) -> Optional[PrivacyReport]:
+        return None if self._dp_active and self.privacy_engine is None else self.privacy_report()
 
     def _write_privacy_files(self, output_dir: str, with_state: bool) -> None:
         if not self.is_world_process_zero():

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from trl import GRPOTrainer, RLOOTrainer
 
 from ..accountants import REPORT_FILENAME, PrivacyReport
+from .model_card import PrivacyModelCardMixin
 
 
 
@@ -34,7 +35,7 @@ def find_privacy_report(reward: Any) -> Optional[PrivacyReport]:
     return None
 
 
-class UserDPOnlineMixin:
+class UserDPOnlineMixin(PrivacyModelCardMixin):
     """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`."""
 
     def _check_private_inputs(self, reward_funcs, train_dataset, eval_dataset, reward_model_is_public: bool,
@@ -95,6 +96,9 @@ class UserDPOnlineMixin:
             neighboring_relation=first.neighboring_relation,
             extra={"reward_model_reports": [r.to_dict() for r in reports], "online_trainer": type(self).__name__},
         )
+
+    def card_privacy_report(self) -> PrivacyReport:
+        return self.carried_privacy_report()
 
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         """The policy's inherited ε and δ in every training log, as in its report."""
