@@ -36,7 +36,16 @@ def find_privacy_report(reward: Any) -> Optional[PrivacyReport]:
 
 
 class UserDPOnlineMixin(PrivacyModelCardMixin):
-    """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`."""
+    """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`: TRL's arguments, plus the keywords
+    ``reward_model_is_public``, ``public_columns`` (dataset columns allowed besides prompts) and
+    ``allow_non_private_reward`` (see :meth:`_check_private_inputs`), checked before TRL's ``__init__``."""
+
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, *rest,
+                 reward_model_is_public: bool = False, public_columns=("prompt",), allow_non_private_reward: bool = False,
+                 **kwargs):
+        self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns,
+                                   allow_non_private_reward)
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, *rest, **kwargs)
 
     def _check_private_inputs(self, reward_funcs, train_dataset, eval_dataset, reward_model_is_public: bool,
                               public_columns=("prompt",), allow_non_private_reward: bool = False) -> None:
@@ -114,26 +123,10 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
 
 
 class UserDPRLOOTrainer(UserDPOnlineMixin, RLOOTrainer):
-    """``trl.RLOOTrainer`` whose reward model(s) must be user-level private (or declared public); extra
-    keywords ``reward_model_is_public``, ``public_columns`` (dataset columns allowed besides prompts) and
-    ``allow_non_private_reward``."""
-
-    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, *rest,
-                 reward_model_is_public: bool = False, public_columns=("prompt",), allow_non_private_reward: bool = False,
-                 **kwargs):
-        self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns,
-                                   allow_non_private_reward)
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, *rest, **kwargs)
+    """``trl.RLOOTrainer`` whose reward model(s) must be user-level private (or declared public); the extra keywords
+    are :class:`UserDPOnlineMixin`'s."""
 
 
 class UserDPGRPOTrainer(UserDPOnlineMixin, GRPOTrainer):
-    """``trl.GRPOTrainer`` whose reward model(s) must be user-level private (or declared public); extra
-    keywords ``reward_model_is_public``, ``public_columns`` (dataset columns allowed besides prompts) and
-    ``allow_non_private_reward``."""
-
-    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, *rest,
-                 reward_model_is_public: bool = False, public_columns=("prompt",), allow_non_private_reward: bool = False,
-                 **kwargs):
-        self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns,
-                                   allow_non_private_reward)
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, *rest, **kwargs)
+    """``trl.GRPOTrainer`` whose reward model(s) must be user-level private (or declared public); the extra keywords
+    are :class:`UserDPOnlineMixin`'s."""

@@ -228,16 +228,3 @@ def _aup_phase(theta, x, y, epsilon, delta, *, users_per_batch, steps, rng, B, L
         iterates.append(theta)
     return SGDResult(_average(iterates), steps)
 
-
-__all__ = [
-    "SGDResult",
-    "aup_rlhf",
-    "group_dpsgd",
-    "theorem4_lr",
-    "theorem4_tau",
-    "user_dpsgd",
-    "user_dpsgd_adaptive",
-    "user_gradients",
-    "user_objective_perturbation",
-    "user_rr_mle",
-]
