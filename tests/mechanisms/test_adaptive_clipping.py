@@ -142,12 +142,13 @@ def test_the_gradient_and_count_noise_have_the_calibrated_variances():
     assert low <= float(np.mean(count_noise ** 2)) / sigma_b ** 2 <= high
 
 
+@pytest.mark.parametrize("count_noise", [1e-12, N_USERS / 20], ids=["noise_off", "noisy_count"])
 @pytest.mark.parametrize("quantile", [0.25, 0.8])
-def test_the_clip_settles_at_the_target_quantile_of_the_users_norms(quantile):
+def test_the_clip_settles_at_the_target_quantile_of_the_users_norms(quantile, count_noise):
     """Parameters held fixed (lr = 0), the clip starts 100× too large and ends near the γ-quantile of the users' norms."""
     x, y, users = _data()
     engine, model, optimizer, loader = _private(x, y, users, lr=0.0, clip=100.0, quantile=quantile, eta=0.3,
-                                                sigma_b=N_USERS / 20)
+                                                sigma_b=count_noise)
     clips = _steps(model, optimizer, loader, 300)
     norms = []
     plain = torch.nn.Linear(5, 1)  # the users' norms at the (fixed) parameters, from a copy without hooks
@@ -201,3 +202,15 @@ def test_the_default_count_noise_keeps_the_gradient_noise_within_sixteen_percent
         mechanism="user_dpsgd_adaptive")
     assert optimizer.count_noise_multiplier == 2.0 == max(4.0 / 20, 2.0)
     assert optimizer.gradient_noise_multiplier == pytest.approx(2.0 / math.sqrt(0.75))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(target_quantile=0.0), "target_unclipped_quantile must lie in"),
+    (dict(target_quantile=1.0), "target_unclipped_quantile must lie in"),
+    (dict(clip_learning_rate=0.0), "clip_learning_rate must be a finite number > 0"),
+    (dict(count_noise_multiplier=0.0), "count_noise_multiplier must be a finite number > 0"),
+    (dict(count_noise_multiplier=-1.0), "count_noise_multiplier must be a finite number > 0"),
+])
+def test_bad_settings_are_refused_before_training(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveClipUserDPSGD(**kwargs)
