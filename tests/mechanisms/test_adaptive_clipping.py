@@ -214,3 +214,27 @@ def test_the_default_count_noise_keeps_the_gradient_noise_within_sixteen_percent
 def test_bad_settings_are_refused_before_training(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdaptiveClipUserDPSGD(**kwargs)
+
+
+def test_empty_draws_are_noise_only_steps_that_still_move_the_clip():
+    """Poisson draws with no user (ñ = 0.3 of 20): the step adds noise, is accounted, and the clip follows the noisy
+    count, as every other step (the reshape of an empty step used to crash, a data-dependent failure)."""
+    x, y, users = _data()
+    torch.manual_seed(0)
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    model = torch.nn.Linear(5, 1)
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(TensorDataset(x, y)),
+        max_grad_norm=1.0, noise_multiplier=1.0, max_samples_per_user=ROWS, users_per_batch=0.3, user_ids=users,
+        sampling_seed=0, noise_seed=1, mechanism=AdaptiveClipUserDPSGD(count_noise_multiplier=1.0))
+    empty, clips = 0, [optimizer.max_grad_norm]
+    for x_batch, y_batch in loader:
+        optimizer.zero_grad()
+        if len(x_batch):
+            _loss(model, x_batch, y_batch).backward()
+        else:
+            empty += 1
+        optimizer.step()
+        clips.append(optimizer.max_grad_norm)
+    assert empty >= 50 and engine.steps_accounted() == len(loader)
+    assert len(set(clips)) == len(clips)  # the clip moved at every step, empty ones included

@@ -74,9 +74,10 @@ def test_a_reward_model_trained_without_privacy_is_not_private(tmp_path):
     none = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path / "rm"), steps=1, privacy_mechanism="none")
     tokenizer = tiny_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE)
-    with pytest.raises(ValueError, match="without privacy"):
-        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args, train_dataset=PROMPTS,
-                          processing_class=tokenizer)
+    for public in (False, True):  # declaring it public does not make it so
+        with pytest.raises(ValueError, match="without privacy"):
+            UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args,
+                              train_dataset=PROMPTS, processing_class=tokenizer, reward_model_is_public=public)
     trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args,
                                 train_dataset=PROMPTS, processing_class=tokenizer, reward_processing_classes=tokenizer,
                                 allow_non_private_reward=True)
@@ -111,3 +112,36 @@ def test_preference_labels_in_the_eval_dataset_are_refused(tmp_path, private_rew
         UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
                           args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
                           eval_dataset=eval_dataset, processing_class=tokenizer)
+
+
+def test_a_randomized_response_reward_leaves_the_texts_unprotected_in_the_policys_statement(tmp_path):
+    rr = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path / "rm"), steps=1,
+                       privacy_mechanism="randomized_response")
+    tokenizer = tiny_tokenizer()
+    trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=rr.model,
+                                args=GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE), train_dataset=PROMPTS,
+                                processing_class=tokenizer, reward_processing_classes=tokenizer)
+    carried = trainer.carried_privacy_report()
+    assert carried.extra["protects"] == "labels only" and carried.neighboring_relation == "replace"
+    assert "prompts and responses (randomized response privatizes the preference labels only)" in carried.to_markdown()
+
+
+def test_a_private_starting_policy_is_composed_in_and_relations_must_agree(tmp_path, private_reward):
+    """A policy that starts from a private model (e.g. user-level DPO) carries that release too; reports under
+    different neighbouring relations cannot be added."""
+    reward_model, reward_dir = private_reward
+    reward = PrivacyReport.load(reward_dir)
+    tokenizer = tiny_tokenizer()
+    policy = tiny_llama_lm(len(tokenizer))
+    policy.privacy_report = reward  # as the trainers attach it to the models they train
+    trainer = UserDPGRPOTrainer(model=policy, reward_funcs=reward_model,
+                                args=GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE), train_dataset=PROMPTS,
+                                processing_class=tokenizer, reward_processing_classes=tokenizer)
+    carried = trainer.carried_privacy_report()
+    assert carried.epsilon == pytest.approx(2 * reward.epsilon) and carried.delta == pytest.approx(2 * reward.delta)
+    assert carried.extra["initial_policy_report"]["epsilon"] == reward.epsilon
+    policy.privacy_report = PrivacyReport.from_dict({**reward.to_dict(), "neighboring_relation": "replace"})
+    with pytest.raises(ValueError, match="different neighbouring relations"):
+        UserDPGRPOTrainer(model=policy, reward_funcs=reward_model,
+                          args=GRPOConfig(output_dir=str(tmp_path / "policy2"), **ONLINE), train_dataset=PROMPTS,
+                          processing_class=tokenizer, reward_processing_classes=tokenizer)

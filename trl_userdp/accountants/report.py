@@ -63,10 +63,13 @@ class PrivacyReport:
         if math.isinf(self.epsilon):
             guarantee = "**none**: trained on the users' data without differential privacy (ε = ∞)"
         else:
+            relation = {"add_or_remove": "add-or-remove-one", "replace": "replace-one"}.get(
+                self.neighboring_relation, self.neighboring_relation)
             guarantee = (f"(ε = {self.epsilon:.4g}, δ = {self.delta:g})-differential privacy for {unit}, under the "
-                         f"{self.neighboring_relation.replace('_', '/')} relation")
+                         f"{relation} relation")
         lines = ["## Privacy", "", f"Trained with trl_userdp: {guarantee}.", "",
-                 f"- mechanism: `{self.mechanism}`; accountant: {self.accountant}; steps accounted: {self.steps_taken}"]
+                 f"- mechanism: `{self.mechanism}`; accountant: {self.accountant}"
+                 + ("" if self.noise_multiplier is None else f"; steps accounted: {self.steps_taken}")]
         if self.n_users:
             lines.append(f"- users: {self.n_users}, at most {self.max_samples_per_user} rows each"
                          + ("" if self.sample_rate is None else f"; user sampling rate {self.sample_rate:.4g}")
@@ -76,8 +79,9 @@ class PrivacyReport:
                          "labels only)")
         elif not math.isinf(self.epsilon):
             lines.append("- not protected: the number of users and the sampling rate, which are treated as public")
-        if self.extra.get("reward_model_reports"):
-            lines.append("- a policy trained against the reward model(s) above: post-processing of their guarantee")
+        if "reward_model_reports" in self.extra and not math.isinf(self.epsilon):
+            lines.append("- a policy trained by online RL against private reward model(s) (and from a private starting "
+                         "model, if any): post-processing of their guarantees, composed; each is listed in the report")
         lines += ["", f"The full statement is `{REPORT_FILENAME}` beside the model.", ""]
         return "\n".join(lines)
 

@@ -115,7 +115,7 @@ class AUPRLHF(GradientMechanism):
 
         return AUPOptimizer
 
-    def step_event(self, *, max_samples_per_user: int, n_users: int, max_users_per_batch: int = 1) -> StepEvent:
+    def step_event(self, *, max_samples_per_user: int, n_users: int, max_users_per_batch: int) -> StepEvent:
         return TruncatedPoissonGaussian(n_users, max_users_per_batch)
 
     @classmethod

@@ -73,13 +73,14 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
 
     def clip_and_accumulate(self) -> None:
         """Opacus's clipping at the current ``C_t``, plus the count of users within it (``‖g_u‖ ≤ C_t``)."""
-        norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in self.grad_samples], dim=1).norm(2, dim=1)
+        norms = [g.flatten(1).norm(2, dim=-1) for g in self.grad_samples]  # flatten(1): an empty step has 0 rows
+        norms = torch.stack([n.to(norms[0].device) for n in norms], dim=1).norm(2, dim=1)
         self._unclipped = int((norms <= self.max_grad_norm).sum())
         factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
         for p in self.params:
             _check_processed_flag(p.grad_sample)
-            grad_sample = self._get_flat_grad_sample(p)
-            grad = torch.einsum("i,i...", factor.to(grad_sample.device), grad_sample)
+            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)  # as Opacus: sums and noise in the parameter's dtype
+            grad = torch.einsum("i,i...", factor.to(device=grad_sample.device, dtype=p.dtype), grad_sample)
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
             _mark_as_processed(p.grad_sample)
 

@@ -44,17 +44,20 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
                  reward_model_is_public: bool = False, public_columns=("prompt",), allow_non_private_reward: bool = False,
                  **kwargs):
         self._check_private_inputs(reward_funcs, train_dataset, eval_dataset, reward_model_is_public, public_columns,
-                                   allow_non_private_reward)
+                                   allow_non_private_reward, policy=model)
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, *rest, **kwargs)
 
     def _check_private_inputs(self, reward_funcs, train_dataset, eval_dataset, reward_model_is_public: bool,
-                              public_columns=("prompt",), allow_non_private_reward: bool = False) -> None:
-        """``reward_model_is_public`` declares the rewards without a finite-ε report public (a rule, or a
-        model trained without privacy on public data); a finite-ε report is carried over whatever the flag.
-        ``allow_non_private_reward`` accepts a reward whose report says it was trained without privacy (ε = ∞)
-        and carries that ε = ∞ to the policy (a non-private baseline)."""
+                              public_columns=("prompt",), allow_non_private_reward: bool = False,
+                              policy: Any = None) -> None:
+        """``reward_model_is_public`` declares the rewards *without a report* public (a rule, or a model trained on
+        public data); a report is carried over whatever the flag. ``allow_non_private_reward`` accepts a reward whose
+        report says it was trained on the users without privacy (ε = ∞) and carries that ε = ∞ to the policy (a
+        non-private baseline); without it such a reward is refused. A starting ``policy`` with a report (e.g. a private
+        DPO model) is composed in too. All reports must share one neighbouring relation."""
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         self.reward_privacy_reports: List[PrivacyReport] = []
+        self.policy_privacy_report = find_privacy_report(policy) if policy is not None else None
         for func in funcs:
             report = find_privacy_report(func)
             name = func if isinstance(func, str) else getattr(func, "__name__", type(func).__name__)
@@ -66,14 +69,16 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
                     )
                 continue
             if math.isinf(report.epsilon) and not allow_non_private_reward:
-                if reward_model_is_public:
-                    continue
                 raise ValueError(
-                    f"Reward {name!r} was trained without privacy (mechanism {report.mechanism!r}, ε = ∞); pass "
-                    "reward_model_is_public=True if its training data is public, or allow_non_private_reward=True to "
-                    "train a non-private baseline (the policy then reports ε = ∞)."
+                    f"Reward {name!r} was trained on the users without privacy (mechanism {report.mechanism!r}, ε = ∞), "
+                    "so it is not public: pass allow_non_private_reward=True to train a non-private baseline (the policy "
+                    "then reports ε = ∞)."
                 )
             self.reward_privacy_reports.append(report)
+        relations = {r.neighboring_relation for r in self._inherited_reports()}
+        if len(relations) > 1:
+            raise ValueError(f"The policy and reward models' reports hold under different neighbouring relations "
+                             f"{sorted(relations)}; their ε cannot be added. Train them under one relation.")
         datasets = {"train_dataset": train_dataset}
         if isinstance(eval_dataset, dict):
             datasets.update({f"eval_dataset[{k!r}]": v for k, v in eval_dataset.items()})
@@ -88,22 +93,31 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
                     "list public ones in `public_columns`."
                 )
 
+    def _inherited_reports(self) -> List[PrivacyReport]:
+        return ([self.policy_privacy_report] if self.policy_privacy_report is not None else []) + self.reward_privacy_reports
+
     def carried_privacy_report(self) -> PrivacyReport:
-        """The policy's guarantee: that of its reward model(s), by post-processing (several private reward
-        models on the same users compose: their ε and δ add up)."""
-        reports = self.reward_privacy_reports
+        """The policy's guarantee: that of its starting weights and reward model(s), by post-processing (several
+        private releases on the same users compose: their ε and δ add up). What one of them leaves unprotected (the
+        texts, under randomized response) stays unprotected."""
+        reports = self._inherited_reports()
         if not reports:
             return PrivacyReport(mechanism="post-processing of public rewards", n_users=0, max_samples_per_user=None,
                                  sample_rate=None, noise_multiplier=None, steps=None, steps_taken=self.state.global_step,
                                  accountant="none", epsilon=0.0, delta=0.0)
         first = reports[0]
+        extra = {"reward_model_reports": [r.to_dict() for r in self.reward_privacy_reports],
+                 "online_trainer": type(self).__name__}
+        if self.policy_privacy_report is not None:
+            extra["initial_policy_report"] = self.policy_privacy_report.to_dict()
+        if any(r.extra.get("protects") == "labels only" for r in reports):
+            extra["protects"] = "labels only"
         return PrivacyReport(
             mechanism="post-processing", n_users=first.n_users, max_samples_per_user=first.max_samples_per_user,
             sample_rate=None, noise_multiplier=None, steps=None, steps_taken=self.state.global_step,
-            accountant="basic composition of the reward models' reports",
+            accountant="basic composition of the inherited reports",
             epsilon=sum(r.epsilon for r in reports), delta=sum(r.delta for r in reports),
-            neighboring_relation=first.neighboring_relation,
-            extra={"reward_model_reports": [r.to_dict() for r in reports], "online_trainer": type(self).__name__},
+            neighboring_relation=first.neighboring_relation, privacy_unit=first.privacy_unit, extra=extra,
         )
 
     def card_privacy_report(self) -> PrivacyReport:
