@@ -33,3 +33,12 @@ def test_user_level_theory_runs_a_tiny_sweep(tmp_path):
     row = out["noise_table"][0]
     assert row["user_wise"] > 0 and row["aup"] > 0 and 0 <= row["aup_survives_T"] <= 1
     assert os.path.exists(tmp_path / "user_level_theory.png")
+
+
+def test_adaptive_clipping_benchmark_runs_a_tiny_sweep(tmp_path):
+    from benchmarks import adaptive_clipping
+
+    out = adaptive_clipping.main(["--seeds", "2", "--n", "200", "--m", "4", "--epsilons", "3", "--out", str(tmp_path)])
+    cell = out["results"]["3.0"]
+    assert set(adaptive_clipping.COLUMNS) <= set(cell) and cell["ratio_to_mle"]["fixed C=1, no noise"]["n"] == 2
+    assert os.path.exists(tmp_path / "adaptive_clipping.json") and os.path.exists(tmp_path / "adaptive_clipping.png")

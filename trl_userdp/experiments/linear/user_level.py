@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -66,6 +66,12 @@ def _sigma_truncated(epsilon, delta, q, steps, n_users, n_max, relation="add_or_
                                          max_users_per_batch=n_max, relation=relation, tol=1e-3)
 
 
+def step_size(lr: Union[float, Callable[[int], float]], t: int) -> float:
+    """The step size at step ``t`` (0-based): a constant, or a schedule ``lr(t)`` (e.g. ``min(c, 1/(μ(t+1)))``, which
+    converges on a μ-strongly convex objective)."""
+    return float(lr(t)) if callable(lr) else float(lr)
+
+
 @dataclasses.dataclass
 class SGDResult:
     theta: np.ndarray
@@ -73,61 +79,68 @@ class SGDResult:
     halted: bool = False
 
 
-def _average(iterates) -> np.ndarray:
-    return np.mean(np.asarray(iterates), axis=0)
+def _average(iterates, tail: bool = False) -> np.ndarray:
+    """The average iterate (``tail``: of the last half, which forgets the transient of a decaying schedule)."""
+    iterates = np.asarray(iterates)
+    return np.mean(iterates[len(iterates) // 2:] if tail else iterates, axis=0)
 
 
 def user_dpsgd(
-    data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, lr: float,
-    max_grad_norm: float, rng: np.random.Generator, B: float, relation: str = "add_or_remove",
+    data: BTLData, epsilon: Optional[float], delta: float, *, users_per_batch: float, steps: int,
+    lr: Union[float, Callable[[int], float]], max_grad_norm: float, rng: np.random.Generator, B: float,
+    relation: str = "add_or_remove", tail_average: bool = False,
 ) -> SGDResult:
     """User-wise DP-SGD (AUP-RLHF Alg. 4; Chua et al. 2024): clip each sampled user's averaged
     gradient to C, add N(0, σ²C²), divide by ñ; σ for T Poisson-subsampled steps at (ε, δ) under
-    ``relation`` (``"replace"``: the papers' change-one-user neighbours)."""
-    x, y, _ = _by_user(data)
-    n = len(x)
-    q = users_per_batch / n
-    sigma = _sigma_poisson(epsilon, delta, q, steps, relation=relation)
-    theta = project_theta(np.zeros(x.shape[-1]), B)
-    iterates = []
-    for _ in range(steps):
-        users = np.flatnonzero(rng.random(n) < q)
-        g = user_gradients(theta, x[users], y[users])
-        g *= np.minimum(1.0, max_grad_norm / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-12))
-        noisy = (g.sum(0) + rng.normal(0, sigma * max_grad_norm, theta.shape)) / users_per_batch
-        theta = project_theta(theta - lr * noisy, B)
-        iterates.append(theta)
-    return SGDResult(_average(iterates), steps)
+    ``relation`` (``"replace"``: the papers' change-one-user neighbours). ``lr``: a constant or a schedule
+    (:func:`step_size`); ``tail_average``: average the last half of the iterates; ``epsilon=None``: the same steps
+    without noise, the control that isolates the optimiser from the privacy."""
+    return _user_wise_dpsgd(data, epsilon, delta, users_per_batch=users_per_batch, steps=steps, lr=lr,
+                            clip=max_grad_norm, rng=rng, B=B, relation=relation, tail_average=tail_average)
 
 
 def user_dpsgd_adaptive(
-    data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, lr: float,
-    initial_clip: float, rng: np.random.Generator, B: float, target_quantile: float = 0.5,
-    clip_learning_rate: float = 0.2, count_noise_multiplier: Optional[float] = None, relation: str = "add_or_remove",
+    data: BTLData, epsilon: Optional[float], delta: float, *, users_per_batch: float, steps: int,
+    lr: Union[float, Callable[[int], float]], initial_clip: float, rng: np.random.Generator, B: float,
+    target_quantile: float = 0.5, clip_learning_rate: float = 0.2, count_noise_multiplier: Optional[float] = None,
+    relation: str = "add_or_remove", tail_average: bool = False,
 ) -> SGDResult:
     """User-wise DP-SGD with adaptive per-user clipping (docs/mechanisms.md, M1a; the mechanism of
     :class:`~trl_userdp.optimizers.AdaptiveClipUserDPOptimizer` with its formulas): σ as :func:`user_dpsgd`, the
-    clip starts at ``initial_clip`` and follows the private ``target_quantile`` of the sampled users' norms."""
+    clip starts at ``initial_clip`` and follows the private ``target_quantile`` of the sampled users' norms
+    (``epsilon=None``: exact counts and no noise)."""
+    return _user_wise_dpsgd(data, epsilon, delta, users_per_batch=users_per_batch, steps=steps, lr=lr,
+                            clip=initial_clip, rng=rng, B=B, relation=relation, tail_average=tail_average,
+                            adaptive=(target_quantile, clip_learning_rate, count_noise_multiplier))
+
+
+def _user_wise_dpsgd(data, epsilon, delta, *, users_per_batch, steps, lr, clip, rng, B, relation, tail_average,
+                     adaptive=None) -> SGDResult:
     x, y, _ = _by_user(data)
     n = len(x)
     q = users_per_batch / n
-    sigma = _sigma_poisson(epsilon, delta, q, steps, relation=relation)
-    sigma_b = (default_count_noise_multiplier(users_per_batch, sigma) if count_noise_multiplier is None
-               else count_noise_multiplier)
-    sigma_delta = gradient_noise_multiplier(sigma, sigma_b)
+    sigma = 0.0 if epsilon is None else _sigma_poisson(epsilon, delta, q, steps, relation=relation)
+    if adaptive is not None:
+        target_quantile, clip_learning_rate, sigma_b = adaptive
+        if epsilon is None:
+            sigma_b = 0.0
+        elif sigma_b is None:
+            sigma_b = default_count_noise_multiplier(users_per_batch, sigma)
+        sigma = gradient_noise_multiplier(sigma, sigma_b)
     theta = project_theta(np.zeros(x.shape[-1]), B)
-    clip, iterates = float(initial_clip), []
-    for _ in range(steps):
+    clip, iterates = float(clip), []
+    for t in range(steps):
         users = np.flatnonzero(rng.random(n) < q)
         g = user_gradients(theta, x[users], y[users])
         norms = np.linalg.norm(g, axis=1, keepdims=True)
         g *= np.minimum(1.0, clip / np.maximum(norms, 1e-12))
-        noisy = (g.sum(0) + rng.normal(0, sigma_delta * clip, theta.shape)) / users_per_batch
-        theta = project_theta(theta - lr * noisy, B)
+        noisy = (g.sum(0) + rng.normal(0, sigma * clip, theta.shape)) / users_per_batch
+        theta = project_theta(theta - step_size(lr, t) * noisy, B)
         iterates.append(theta)
-        centred = float((norms <= clip).sum()) - len(users) / 2 + rng.normal(0, sigma_b)
-        clip = next_clip(clip, centred, users_per_batch, target_quantile, clip_learning_rate)
-    return SGDResult(_average(iterates), steps)
+        if adaptive is not None:
+            centred = float((norms <= clip).sum()) - len(users) / 2 + rng.normal(0, sigma_b)
+            clip = next_clip(clip, centred, users_per_batch, target_quantile, clip_learning_rate)
+    return SGDResult(_average(iterates, tail_average), steps)
 
 
 def group_dpsgd(
