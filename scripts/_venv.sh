@@ -16,12 +16,12 @@ fi
 stamp="$VENV/.trl_userdp_installed"
 want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16) $TORCH_SPEC"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "[setup] installing torch ($TORCH_SPEC), then trl_userdp with its dev and examples extras"
+    echo "[setup] installing torch ($TORCH_SPEC), then trl_userdp with its dev, examples and tracking extras"
     python -m pip install --quiet --upgrade pip
     # torch first: otherwise a dependency may pull a multi-GB CUDA build
     # shellcheck disable=SC2086
     python -m pip install --quiet $TORCH_SPEC
-    python -m pip install --quiet -e "$ROOT[dev,examples]"
+    python -m pip install --quiet -e "$ROOT[dev,examples,tracking]"
     echo "$want" > "$stamp"
 fi
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false

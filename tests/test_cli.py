@@ -129,3 +129,26 @@ def test_a_yaml_output_dir_and_resume_from_checkpoint_are_honoured(tmp_path, cap
     assert main([*common, "--config", str(config), "--output-dir", str(tmp_path / "bad"),
                  "--resume_from_checkpoint", str(full / "checkpoint-2")]) == 2
     assert "has no privacy_state.pt: resuming would reset the accountant" in capsys.readouterr().err
+
+
+def test_a_missing_reporting_package_is_one_line_and_tensorboard_from_the_extra_shows_epsilon(tmp_path, capsys):
+    """`--report_to` used to fail with a traceback from inside the Trainer when its package was missing (issue 17);
+    with the `tracking` extra, TensorBoard gets the ε and δ curves (issue 16)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [{"prompt": "Review:", "chosen": " good film", "rejected": " bad movie", "user_id": u}
+            for u in range(8) for _ in range(2)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    common = ["dpo", "--dataset", str(data), "--model_name_or_path", "tiny", "--max_steps", "3",
+              "--per_device_train_batch_size", "4", "--logging_steps", "1"]
+    assert main([*common, "--output_dir", str(tmp_path / "w"), "--report_to", "wandb"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "trl-userdp: error: --report_to wandb needs a package that is not installed: wandb.")
+    assert main([*common, "--output_dir", str(tmp_path / "tb"), "--report_to", "tensorboard"]) == 0
+    events = list((tmp_path / "tb").rglob("events.out.tfevents*"))
+    accumulator = EventAccumulator(str(events[0]))
+    accumulator.Reload()
+    epsilon = [s.value for s in accumulator.Scalars("train/epsilon")]
+    assert len(epsilon) >= 3 and epsilon == sorted(epsilon) and 0 < epsilon[0] < epsilon[-1] <= 8.0
+    assert PrivacyReport.load(str(tmp_path / "tb")).epsilon == pytest.approx(epsilon[-1])

@@ -282,6 +282,25 @@ COMMANDS: Dict[str, Callable[..., int]] = {"account": account, "reward": reward,
 DEFAULT_OUTPUT = {"reward": "runs/reward", "dpo": "runs/dpo", "rl": "runs/rl"}
 
 
+#: the package (and extra) each reporting integration needs
+REPORTING_PACKAGES = {"tensorboard": "tensorboard (pip install 'trl_userdp[tracking]')"}
+
+
+def _check_reporting(config) -> None:
+    """A ``--report_to`` integration whose package is missing is a one-line error before any work, not a traceback
+    from inside the Trainer."""
+    report_to = getattr(config, "report_to", None)
+    if not report_to or report_to in ("none", "all"):
+        return
+    from transformers.integrations import get_available_reporting_integrations
+
+    missing = sorted(set([report_to] if isinstance(report_to, str) else report_to) - {"none", "all"}
+                     - set(get_available_reporting_integrations()))
+    if missing:
+        need = ", ".join(REPORTING_PACKAGES.get(m, m) for m in missing)
+        raise ValueError(f"--report_to {' '.join(missing)} needs a package that is not installed: {need}.")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = list(COMMANDS)
@@ -303,6 +322,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not torch.cuda.is_available():  # TRL defaults to bf16, which a CPU-only machine refuses
                 parser.set_defaults(bf16=False)
         parsed = parser.parse_args_and_config(args=rest)
+        _check_reporting(parsed[-1])
         return COMMANDS[name](*parsed)
     except (ValueError, OSError) as err:  # bad input, a missing file or model directory: one line, no traceback
         print(f"trl-userdp: error: {err}", file=sys.stderr)
