@@ -29,7 +29,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
+from benchmarks.common import RESULTS_DIR, fmt, mean_ci, plot_with_intervals, print_table, write_results
 from trl_userdp.experiments.linear import (
     generate_btl_data,
     mle,
@@ -110,23 +110,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 
 def plot(results: Dict, path: str, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    eps = [float(e) for e in results]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for name in COLUMNS:
-        vals = [results[e][name] for e in results]
-        ax.errorbar(eps, [v["mean"] for v in vals], yerr=[v["hi"] - v["mean"] for v in vals], label=name, marker="o",
-                    ms=3, capsize=2, linestyle="--" if "no noise" in name or name == "non-private MLE" else "-")
-    ax.set(xscale="log", yscale="log", xlabel="ε (user level, replace one user; δ = 1e-5)", ylabel="‖θ̂ − θ*‖₂",
-           title=f"Privacy–utility, n = {args.n} users, m = {args.m}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_with_intervals(path, [float(e) for e in results], {name: [results[e][name] for e in results] for name in COLUMNS},
+                        xlabel="ε (user level, replace one user; δ = 1e-5)", ylabel="‖θ̂ − θ*‖₂",
+                        title=f"Privacy–utility, n = {args.n} users, m = {args.m}",
+                        dashed=[c for c in COLUMNS if "no noise" in c or c == "non-private MLE"])
 
 
 if __name__ == "__main__":

@@ -49,3 +49,24 @@ def write_results(name: str, payload: dict, out_dir: str = RESULTS_DIR) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     return path
+
+
+def plot_with_intervals(path: str, x: Sequence[float], series: Dict[str, List[Dict[str, float]]], *, xlabel: str,
+                        ylabel: str, title: str, dashed: Iterable[str] = ()) -> None:
+    """One line per series of :func:`mean_ci` cells over ``x`` (log-log), with their intervals; written to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dashed = set(dashed)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, cells in series.items():
+        ax.errorbar(x, [c["mean"] for c in cells], yerr=[c["hi"] - c["mean"] for c in cells], label=name, marker="o",
+                    ms=3, capsize=2, linestyle="--" if name in dashed else "-")
+    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+

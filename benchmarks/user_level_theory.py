@@ -34,7 +34,7 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
-from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
+from benchmarks.common import RESULTS_DIR, fmt, mean_ci, plot_with_intervals, print_table, write_results
 from trl_userdp.accountants.events import PoissonGaussian
 from trl_userdp.experiments.linear import (
     aup_rlhf,
@@ -171,24 +171,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 
 def plot(res: Dict, cells, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ms = [m for _, m, _ in cells]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for name in ESTIMATORS:
-        vals = [res[f"{n}|{m}|{e}"][name] for n, m, e in cells]
-        ax.errorbar(ms, [v["mean"] for v in vals], yerr=[v["hi"] - v["mean"] for v in vals], label=name, marker="o",
-                    ms=3, capsize=2)
     n, _, eps = cells[0]
-    ax.set(xscale="log", yscale="log", xlabel="m (comparisons per user)", ylabel="‖θ̂ − θ*‖₂",
-           title=f"n = {n} users, ε = {eps}, δ = {DELTA}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_with_intervals(path, [m for _, m, _ in cells],
+                        {name: [res[f"{n_}|{m}|{e}"][name] for n_, m, e in cells] for name in ESTIMATORS},
+                        xlabel="m (comparisons per user)", ylabel="‖θ̂ − θ*‖₂", title=f"n = {n} users, ε = {eps}, δ = {DELTA}")
 
 
 if __name__ == "__main__":
