@@ -130,8 +130,9 @@ def test_the_epsilon_entry_point_calibrates_as_the_sigma_one_does_with_a_target_
         trl_userdp.PrivacyEngine().make_private_user_level_with_epsilon(noise_multiplier=1.0, **plan)
 
 
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
 @pytest.mark.parametrize("clip", [1e6, 0.05], ids=["unclipped", "clipped"])
-def test_micro_batches_of_one_draw_give_the_one_batch_update(clip):
+def test_micro_batches_of_one_draw_give_the_one_batch_update(clip, mode):
     """micro_batches=k: the loader yields each draw of users as k micro-batches of whole users (some may be empty);
     each micro-batch's loss is the mean of its rows; one optimizer.step() after the k-th. Same seeds: the same
     users, per-user averages and noise as without micro-batches, one accounted step per draw (issue 13)."""
@@ -140,7 +141,7 @@ def test_micro_batches_of_one_draw_give_the_one_batch_update(clip):
         torch.manual_seed(0)
         engine, model, optimizer, loader = _private_linear(
             noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6, sampling_seed=3, noise_seed=4,
-            micro_batches=k, lr=0.5, max_grad_norm=clip)
+            micro_batches=k, lr=0.5, max_grad_norm=clip, grad_sample_mode=mode)
         assert len(loader) == k * 5
         for i, (x, y) in enumerate(loader):
             if len(x):
@@ -251,15 +252,16 @@ class _FusedTiedHead(torch.nn.Module):
         return torch.nn.functional.linear(h, self.emb.weight)[:, :1]
 
 
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
 @pytest.mark.parametrize("model,match", [(_FusedHead, "bypassed the hooks"), (_FusedTiedHead, "Self-check failed")])
-def test_wrong_per_sample_gradients_refuse_to_train(model, match):
+def test_wrong_per_sample_gradients_refuse_to_train(model, match, mode):
     model, loss = model(), _loss
     dataset, user_ids = _linear_task()
     engine = trl_userdp.PrivacyEngine()
     model, optimizer, loader = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
         noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=6, user_ids=user_ids,
-        sampling_seed=0,
+        sampling_seed=0, grad_sample_mode=mode,
     )
     before = [p.detach().clone() for p in model.parameters()]
     x, y = next(b for b in loader if len(b[0]) > 0)
@@ -284,7 +286,7 @@ def test_wrong_per_sample_gradients_refuse_to_train(model, match):
         (dict(max_grad_norm=0.0), "max_grad_norm"),
         (dict(user_ids=None), "user_ids"),
         (dict(mechanism="item"), "mechanism"),
-        (dict(grad_sample_mode="ghost"), "ghost clipping"),
+        (dict(grad_sample_mode="ew"), "grad_sample_mode"),
         (dict(mechanism="group", group_accounting="els"), "PLD"),
     ],
 )

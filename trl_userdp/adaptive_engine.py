@@ -95,6 +95,9 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         """
         mech = self._resolve_mechanism(AUPRLHF())
         opts = SetupOptions(**options)
+        if opts.grad_sample_mode == "ghost":
+            raise ValueError("AUP-RLHF needs every sampled user's gradient (the pairwise distances of its concentration "
+                             "score), which ghost clipping never materialises: use grad_sample_mode='hooks'.")
         check_positive(concentration_radius, "concentration_radius")
         self._check_target(target_epsilon, target_delta, epochs, steps)
         if not 0 <= radius_epsilon < target_epsilon:

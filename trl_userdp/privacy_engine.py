@@ -26,7 +26,7 @@ from .accountants.events import StepEvent
 from .checkpoints import load_plain
 from .data import UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
-from .grad_sample import UserGradSampleHooks, check_module, supply_position_ids
+from .grad_sample import UserGhostHooks, UserGradSampleHooks, check_module, supply_position_ids
 from . import distributed
 from .mechanisms import GradientMechanism, get_mechanism
 from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer
@@ -248,7 +248,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
                         **mechanism_options) -> UserDPOptimizer:
         """Attach the per-user hooks and wrap ``optimizer`` in the mechanism's ``optimizer_class``."""
         self._position_hook = supply_position_ids(module)
-        hooks = UserGradSampleHooks(module, force_functorch=opts.grad_sample_mode == "functorch")
+        hooks_class = UserGhostHooks if opts.grad_sample_mode == "ghost" else UserGradSampleHooks
+        hooks = hooks_class(module, force_functorch=opts.grad_sample_mode == "functorch")
         return optimizer_class(
             optimizer,
             hooks=hooks,

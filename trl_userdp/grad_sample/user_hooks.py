@@ -32,6 +32,9 @@ class UserGradSampleHooks(GradSampleHooks):
     a different number of rows than the batch raises instead of producing a wrong gradient.
     """
 
+    #: per-unit gradients are materialised (:class:`~trl_userdp.grad_sample.ghost.UserGhostHooks` clips without them)
+    ghost = False
+
     def __init__(self, m: nn.Module, *, batch_first: bool = True, strict: bool = True, force_functorch: bool = False):
         super().__init__(m, batch_first=batch_first, loss_reduction="mean", strict=strict, force_functorch=force_functorch)
         self.param_names: Dict[nn.Parameter, str] = {p: n for n, p in trainable_parameters(m)}
@@ -85,6 +88,11 @@ class UserGradSampleHooks(GradSampleHooks):
                 if hasattr(p, attr):
                     delattr(p, attr)
 
+    @property
+    def units_in_step(self) -> int:
+        """Units (users, or records for the group baseline) with rows in the current step."""
+        return len(self.unit_counts)
+
     def _slots_for_current_batch(self) -> torch.Tensor:
         if self._pending is None:
             raise ValueError(
@@ -124,12 +132,7 @@ class UserGradSampleHooks(GradSampleHooks):
                              "backward pass before optimizer.step().")
         slots = self._slots_for_current_batch()
         if rows.shape[0] != len(slots):
-            raise ValueError(
-                f"Parameter {self.param_names.get(p, '?')!r} got per-sample gradients for {rows.shape[0]} rows, "
-                f"but the batch has {len(slots)} rows. Its module's input has no per-row batch dimension "
-                "(learned position embeddings called without `position_ids` of shape (B, T)?) or the user map "
-                "does not match the batch layout (`rows_per_example`). Its per-user gradient would be wrong."
-            )
+            self._row_mismatch(p, rows.shape[0], len(slots))
         slots = slots.to(rows.device)
         n = len(self.unit_ids)
         acc = getattr(p, "_unit_grad", None)
@@ -147,6 +150,14 @@ class UserGradSampleHooks(GradSampleHooks):
             p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + float(torch.linalg.vector_norm(rows.flatten(1), dim=1).sum()) / n
         p._unit_grad = acc
         p.grad_sample = acc
+
+    def _row_mismatch(self, p: nn.Parameter, got: int, expected: int) -> None:
+        raise ValueError(
+            f"Parameter {self.param_names.get(p, '?')!r} got per-sample gradients for {got} rows, "
+            f"but the batch has {expected} rows. Its module's input has no per-row batch dimension "
+            "(learned position embeddings called without `position_ids` of shape (B, T)?) or the user map "
+            "does not match the batch layout (`rows_per_example`). Its per-user gradient would be wrong."
+        )
 
     def remove_hooks(self) -> None:
         self.reset_step()

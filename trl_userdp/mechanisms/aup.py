@@ -121,6 +121,9 @@ class AUPRLHF(GradientMechanism):
     @classmethod
     def check_arguments(cls, args: Any) -> None:
         check_positive(args.concentration_radius, "concentration_radius")
+        if getattr(args, "grad_sample_mode", "hooks") == "ghost":
+            raise ValueError("AUP-RLHF needs every sampled user's gradient (the pairwise distances of its concentration "
+                             "score), which ghost clipping never materialises: use grad_sample_mode='hooks'.")
         if args.push_to_hub and str(getattr(args.hub_strategy, "value", args.hub_strategy)) in (
                 "checkpoint", "all_checkpoints"):
             raise ValueError(f"hub_strategy={args.hub_strategy!r} would push checkpoints, whose privacy_state.pt "

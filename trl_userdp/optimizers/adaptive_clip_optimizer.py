@@ -71,18 +71,10 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
         self.initial_max_grad_norm = float(self.max_grad_norm)
         self._unclipped = 0
 
-    def clip_and_accumulate(self) -> None:
-        """Opacus's clipping at the current ``C_t``, plus the count of users within it (``‖g_u‖ ≤ C_t``)."""
-        norms = [g.flatten(1).norm(2, dim=-1) for g in self.grad_samples]  # flatten(1): an empty step has 0 rows
-        norms = torch.stack([n.to(norms[0].device) for n in norms], dim=1).norm(2, dim=1)
-        self._unclipped = int((norms <= self.max_grad_norm).sum())
-        factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        for p in self.params:
-            _check_processed_flag(p.grad_sample)
-            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)  # as Opacus: sums and noise in the parameter's dtype
-            grad = torch.einsum("i,i...", factor.to(device=grad_sample.device, dtype=p.dtype), grad_sample)
-            p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
-            _mark_as_processed(p.grad_sample)
+    def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """Opacus's factors at the current ``C_t``, and the count of users within it (``‖g_u‖ ≤ C_t``)."""
+        self._unclipped += int((norms <= self.max_grad_norm).sum())
+        return super().clip_factors(norms)
 
     def add_noise(self) -> None:
         """Gradient noise ``N(0, (σ_Δ C_t)²)``; then the noisy centred count moves the clip for the next step."""
@@ -99,9 +91,16 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
         self.max_grad_norm = next_clip(self.max_grad_norm, noisy, self.expected_batch_size, self.target_quantile,
                                        self.clip_learning_rate)
 
+    def step(self, closure=None):
+        """One step; the count starts again at 0 for the next one (also after a skipped or failed step)."""
+        try:
+            return super().step(closure)
+        finally:
+            self._unclipped = 0
+
     @property
     def units_in_step(self) -> int:
-        return len(self.hooks.unit_counts)
+        return self.hooks.units_in_step
 
     def privacy_state_dict(self) -> Dict[str, Any]:
         """The current clip ``C_t`` (a post-processing of the noisy counts), so a resumed run continues it."""

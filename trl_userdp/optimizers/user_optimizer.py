@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch.optim import Optimizer
 
 from ..grad_sample import UserGradSampleHooks
@@ -81,6 +82,8 @@ class UserDPOptimizer(DPOptimizer):
             secure_mode=secure_mode,
         )
         self.hooks = hooks
+        if hooks.ghost:
+            hooks.clip_factors = self.clip_factors
         self.noise_seed, self.step_index = noise_seed, step_index
         self.self_check = hooks.record_row_norms = self_check
         self.budget_guard = budget_guard
@@ -109,25 +112,18 @@ class UserDPOptimizer(DPOptimizer):
         within its sensitivity (docs/privacy_model.md, "Faults")."""
         if self.hooks.unit_averages is not None:
             return self.hooks.unit_averages
-        stray = [name for p, name in self.hooks.param_names.items() if getattr(p, "_forward_counter", 0) != 0]
-        if stray:
-            raise ValueError(
-                f"A forward pass in training mode had no backward pass ({stray[0]!r} and {len(stray) - 1} more "
-                "parameters wait for one), so per-sample gradients are incomplete. Run evaluation under "
-                "torch.no_grad() or model.eval(), and backpropagate every training forward pass."
-            )
+        if self.hooks.ghost:
+            raise ValueError("Ghost clipping never materialises per-user gradients (grad_sample_mode='ghost'); use "
+                             "grad_sample_mode='hooks' to read them.")
+        self._check_backward_complete()
         counts = self.hooks.unit_counts
         n_units = len(counts)
         out = []
         for p in self.params:
             sums = p.grad_sample
             if sums is None:
-                if n_units > 0 and p.grad is not None and torch.count_nonzero(torch.nan_to_num(p.grad)) > 0:
-                    raise ValueError(
-                        f"{self._param_name(p)!r} received a gradient but no per-sample gradient: its forward "
-                        "bypassed the hooks (TRL's fused LM head, a functional call on the weight). Disable the "
-                        "fused path or freeze this parameter."
-                    )
+                if n_units > 0:
+                    self._check_not_bypassed(p)
                 sums = torch.zeros((n_units, *p.shape), device=p.device, dtype=p.dtype)
             elif sums.shape[0] < n_units:  # unused in a later micro-batch: zero for the new units
                 sums = torch.cat([sums, sums.new_zeros((n_units - sums.shape[0], *p.shape))])
@@ -143,6 +139,24 @@ class UserDPOptimizer(DPOptimizer):
         self.hooks.unit_averages = out
         return out
 
+    def _check_backward_complete(self) -> None:
+        stray = [name for p, name in self.hooks.param_names.items() if getattr(p, "_forward_counter", 0) != 0]
+        if stray:
+            raise ValueError(
+                f"A forward pass in training mode had no backward pass ({stray[0]!r} and {len(stray) - 1} more "
+                "parameters wait for one), so per-sample gradients are incomplete. Run evaluation under "
+                "torch.no_grad() or model.eval(), and backpropagate every training forward pass."
+            )
+
+    def _check_not_bypassed(self, p: torch.nn.Parameter, dropped: bool = False) -> None:
+        """A parameter with no per-unit term must have no gradient either (``dropped``: it had one, since freed)."""
+        if dropped or (p.grad is not None and torch.count_nonzero(torch.nan_to_num(p.grad)) > 0):
+            raise ValueError(
+                f"{self._param_name(p)!r} received a gradient but no per-sample gradient: its forward "
+                "bypassed the hooks (TRL's fused LM head, a functional call on the weight). Disable the "
+                "fused path or freeze this parameter."
+            )
+
     def _non_finite_units(self, unit_grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """The mask of units with a non-finite averaged gradient (None if there is none). Warns once per
         optimizer, without saying whose gradient or how many: both are private."""
@@ -153,6 +167,10 @@ class UserDPOptimizer(DPOptimizer):
             bad |= ~torch.isfinite(g).reshape(g.shape[0], -1).all(1).to(bad.device)
         if not bad.any():
             return None
+        self._warn_non_finite()
+        return bad
+
+    def _warn_non_finite(self) -> None:
         if not self._warned_non_finite:
             self._warned_non_finite = True
             warnings.warn(
@@ -160,9 +178,8 @@ class UserDPOptimizer(DPOptimizer):
                 "loss or input) and was replaced by zero, so that user adds nothing to such steps; the privacy "
                 "guarantee holds. Shown once, and it does not say whose gradient or how often: that is private.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        return bad
 
     def _self_check(self) -> bool:
         """Refuse to train if the per-row gradients the hooks summed per unit do not add up to autograd's gradient:
@@ -204,11 +221,53 @@ class UserDPOptimizer(DPOptimizer):
         if self.noise_seed is not None:
             self.generator.manual_seed(derive_seed(self.noise_seed, "noise", self.step_index()))
 
+    def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """Each unit's clip factor ``min(1, C / (‖g_u‖ + 1e-6))`` from its averaged gradient's norm (Opacus's)."""
+        return (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+    def clip_and_accumulate(self) -> None:
+        """``p.summed_grad = Σ_u c_u g_u``: Opacus's clipping of the materialised per-unit gradients with
+        :meth:`clip_factors`, or, with ghost clipping, the hooks' sums (clipped by the same factors)."""
+        if self.hooks.ghost:
+            for p, summed in zip(self.params, self.hooks.clipped_sums(self.params)):
+                p.summed_grad = summed
+            return
+        norms = [g.flatten(1).norm(2, dim=-1) for g in self.grad_samples]  # flatten(1): an empty step has 0 rows
+        norms = torch.stack([n.to(norms[0].device) for n in norms], dim=1).norm(2, dim=1)
+        factor = self.clip_factors(norms)
+        for p in self.params:
+            _check_processed_flag(p.grad_sample)
+            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)  # as Opacus: sums and noise in the parameter's dtype
+            grad = torch.einsum("i,i...", factor.to(device=grad_sample.device, dtype=p.dtype), grad_sample)
+            p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
+            _mark_as_processed(p.grad_sample)
+
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
         self.key_randomness()
-        for p, g in zip(self.params, self.unit_gradients()):
-            p.grad_sample = g  # the hooks' own tensor, averaged in place (a new one only for an unused parameter)
-        return super().pre_step(closure)
+        if not self.hooks.ghost:
+            for p, g in zip(self.params, self.unit_gradients()):
+                p.grad_sample = g  # the hooks' own tensor, averaged in place (a new one only for an unused parameter)
+            return super().pre_step(closure)
+        # ghost clipping: Opacus's DPOptimizer.pre_step, with the clipped sums taken from the hooks
+        self._check_backward_complete()
+        self.clip_and_accumulate()
+        if self.hooks.units_in_step > 0:
+            for p in self.params:
+                if p not in self.hooks.touched and self.hooks.received_gradient(p):
+                    self._check_not_bypassed(p, dropped=True)
+            if self.hooks.non_finite_units:
+                self._warn_non_finite()
+            elif self.self_check and self._self_check():
+                self.self_check = self.hooks.record_row_norms = False
+        if self._check_skip_next_step():
+            self._is_last_step_skipped = True
+            return False
+        self.add_noise()
+        self.scale_grad()
+        if self.step_hook:
+            self.step_hook(self)
+        self._is_last_step_skipped = False
+        return True
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One private step; it uses up the batch the loader drew, whatever happens."""

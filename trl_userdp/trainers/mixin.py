@@ -202,6 +202,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             noise_seed=args.privacy_seed,  # keyed by (seed, step): a resumed run continues the noise, never replays it
             user_key=USER_KEY,
             micro_batches=args.gradient_accumulation_steps,  # one draw of users, accumulated over the micro-batches
+            grad_sample_mode=args.grad_sample_mode,
         )
         length = dict(steps=args.max_steps) if args.max_steps > 0 else dict(epochs=args.num_train_epochs)
         engine, optimizer, loader = get_mechanism(args.privacy_mechanism).make_private(args, **common, **length)

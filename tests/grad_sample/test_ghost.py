@@ -1,0 +1,194 @@
+"""Per-user ghost clipping (issue 13): the per-user norms equal the materialised path's on every supported layer type
+(Linear, Embedding, GPT-2's Conv1D, LoRA, tied embeddings by fallback), by both norm routes, and one step's update
+equals the materialised path's, also with clipping, noise, adaptive clipping, a NaN user and micro-batches."""
+
+import warnings
+
+import pytest
+import torch
+
+import trl_userdp
+from trl_userdp.mechanisms import AdaptiveClipUserDPSGD
+
+from ..helpers import first_batch, make_private, rel_err
+from ..tiny_models import MODELS, btl_pair_losses, preference_dataset
+
+
+def _one_step(name, mode, route=None, *, clip=0.05, weights=None, **kwargs):
+    """(flat parameters after one step, the averaged-gradient norm of each user of the step, the engine)."""
+    engine, model, optimizer, loader, _ = make_private(MODELS[name](), grad_sample_mode=mode, max_grad_norm=clip,
+                                                      **kwargs)
+    batch, row_users = first_batch(engine, min_users=3)
+    seen = []
+    if mode == "ghost":
+        if route is not None:
+            engine.hooks.norm_route = route
+        clip_factors = engine.hooks.clip_factors
+        engine.hooks.clip_factors = lambda norms: (seen.append(norms.clone()), clip_factors(norms))[1]
+    losses = btl_pair_losses(model, batch)
+    (losses if weights is None else losses * weights(row_users)).mean().backward()
+    if mode == "hooks":
+        grads = optimizer.unit_gradients()
+        seen.append(torch.stack([g.flatten(1).norm(dim=1) for g in grads], 1).norm(dim=1))
+    optimizer.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), torch.cat(seen), engine
+
+
+@pytest.mark.parametrize("route", ["gram", "direct", "auto"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_ghost_norms_and_update_equal_the_materialised_path(name, route):
+    params, norms, engine = _one_step(name, "hooks")
+    ghost_params, ghost_norms, ghost_engine = _one_step(name, "ghost", route)
+    assert len(norms) >= 3 and (norms > 0.05).any()  # several users, some of them clipped
+    torch.testing.assert_close(ghost_norms, norms, rtol=1e-5, atol=0)
+    assert rel_err(ghost_params, params) < 1e-6
+    assert ghost_engine.hooks.ghost_modules  # the packable layers did go through ghost norms
+    if name == "tied":  # the tied embedding and LM head are materialised; the rest is ghost
+        names = {ghost_engine.hooks.param_names[m.weight] for m in ghost_engine.hooks.ghost_modules}
+        assert not any("embed_tokens" in n for n in names)
+
+
+def test_with_noise_the_ghost_step_is_the_materialised_step():
+    """Same seeds: the same users, clip factors and noise draws, so the same parameters."""
+    params, _, _ = _one_step("gpt2", "hooks", noise_multiplier=1.0)
+    ghost_params, _, _ = _one_step("gpt2", "ghost", noise_multiplier=1.0)
+    assert rel_err(ghost_params, params) < 1e-6
+
+
+def test_a_nan_user_adds_nothing_in_the_ghost_path_either():
+    def nan_for_one_user(row_users):
+        return torch.where(row_users[: len(row_users) // 2] == row_users[0], float("nan"), 1.0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        params, norms, _ = _one_step("llama", "hooks", weights=nan_for_one_user)
+        with pytest.warns(RuntimeWarning, match="not finite"):
+            ghost_params, ghost_norms, engine = _one_step("llama", "ghost", weights=nan_for_one_user)
+    assert torch.isfinite(ghost_params).all()
+    assert rel_err(ghost_params, params) < 1e-6
+    torch.testing.assert_close(ghost_norms, norms, rtol=1e-5, atol=0)  # the NaN user's norm counts as 0 in both
+
+
+def test_adaptive_clipping_runs_on_ghost_norms():
+    """user_dpsgd_adaptive: the clip trajectory and the parameters equal the materialised path's over several steps."""
+    runs = []
+    for mode in ("hooks", "ghost"):
+        engine, model, optimizer, loader, _ = make_private(
+            MODELS["llama"](), grad_sample_mode=mode, mechanism=AdaptiveClipUserDPSGD(0.5, 0.5), noise_multiplier=1.0,
+            max_grad_norm=0.5, lr=0.1)
+        clips = []
+        for step, batch in enumerate(loader):
+            optimizer.zero_grad()
+            btl_pair_losses(model, batch).mean().backward()
+            optimizer.step()
+            clips.append(optimizer.max_grad_norm)
+            if step == 5:
+                break
+        runs.append((clips, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (clips, params), (ghost_clips, ghost_params) = runs
+    assert len(set(clips)) > 1  # the clip moved
+    assert ghost_clips == pytest.approx(clips, rel=1e-6)
+    assert rel_err(ghost_params, params) < 1e-5
+
+
+class _TwiceCalled(torch.nn.Module):
+    """A Linear applied twice in one pass: a user's norm has cross terms between the two calls, so it is materialised."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 8)
+        self.shared = torch.nn.Linear(8, 8)
+        self.score = torch.nn.Linear(8, 1)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.emb(input_ids)
+        h = self.shared(torch.tanh(self.shared(h)))
+        return type("Out", (), {"logits": self.score(h.mean(1))})()
+
+
+def test_a_module_called_twice_is_materialised_and_exact():
+    results = []
+    for mode in ("hooks", "ghost"):
+        engine, model, optimizer, loader, _ = make_private(_TwiceCalled(), grad_sample_mode=mode, max_grad_norm=0.05)
+        batch, _ = first_batch(engine, min_users=3)
+        btl_pair_losses(model, batch).mean().backward()
+        optimizer.step()
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert model.shared not in engine.hooks.ghost_modules and model.score in engine.hooks.ghost_modules
+    assert rel_err(results[1], results[0]) < 1e-6
+
+
+def test_a_user_split_across_micro_batches_is_refused():
+    engine, model, optimizer, loader, _ = make_private(MODELS["llama"](), grad_sample_mode="ghost")
+    batch, row_users = first_batch(engine, min_users=3)
+    b = len(row_users) // 2
+    pairs = row_users[:b].tolist()
+    split = next(i for i in range(b) if pairs.count(pairs[i]) >= 2)  # a user with several pairs in this batch
+    halves = [[split], [i for i in range(b) if i != split]]
+    for i, half in enumerate(halves):
+        idx = torch.tensor(half + [b + j for j in half])
+        engine.hooks.set_row_users(row_users[idx], continuation=True)
+        sub = {k: v[idx] for k, v in batch.items()}
+        if i == 0:
+            btl_pair_losses(model, sub).mean().backward()
+        else:
+            with pytest.raises(ValueError, match="rows in one micro-batch"):
+                btl_pair_losses(model, sub).mean().backward()
+
+
+def test_aup_refuses_ghost_clipping():
+    model = MODELS["llama"]()
+    from torch.utils.data import DataLoader
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    with pytest.raises(ValueError, match="ghost clipping never materialises"):
+        trl_userdp.AdaptiveUserPrivacyEngine().make_private_user_level(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(preference_dataset(), collate_fn=DataCollatorForPreference(pad_token_id=0)),
+            target_epsilon=3.0, target_delta=1e-5, steps=5, concentration_radius=1.0, max_samples_per_user=3,
+            users_per_batch=3, rows_per_example=2, grad_sample_mode="ghost")
+
+
+def test_reading_per_user_gradients_in_ghost_mode_says_why_not():
+    engine, model, optimizer, loader, _ = make_private(MODELS["llama"](), grad_sample_mode="ghost")
+    batch, _ = first_batch(engine)
+    btl_pair_losses(model, batch).mean().backward()
+    with pytest.raises(ValueError, match="never materialises per-user gradients"):
+        optimizer.unit_gradients()
+
+
+class _LaterBypass(torch.nn.Module):
+    """Uses its head through the module at first, then functionally (as a fused head would): the hooks miss that use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 8)
+        self.head = torch.nn.Linear(8, 1)
+        self.fused = False
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.emb(input_ids).mean(1)
+        logits = torch.nn.functional.linear(h, self.head.weight, self.head.bias) if self.fused else self.head(h)
+        return type("Out", (), {"logits": logits})()
+
+
+def test_autograd_gradient_is_dropped_after_the_self_check_and_a_bypass_is_still_caught():
+    engine, model, optimizer, loader, _ = make_private(_LaterBypass(), grad_sample_mode="ghost")
+    batch, _ = first_batch(engine)
+    btl_pair_losses(model, batch).mean().backward()
+    assert all(p.grad is not None for p in optimizer.params)  # the self-check compares them
+    optimizer.step()
+    assert not optimizer.self_check
+    optimizer.zero_grad()
+    batch, _ = first_batch(engine)
+    btl_pair_losses(model, batch).mean().backward()
+    assert all(p.grad is None for p in optimizer.params)  # unclipped sums freed as soon as accumulated
+    optimizer.step()
+    optimizer.zero_grad()
+    model.fused = True
+    batch, _ = first_batch(engine)
+    btl_pair_losses(model, batch).mean().backward()
+    with pytest.raises(ValueError, match="bypassed the hooks"):
+        optimizer.step()
