@@ -9,6 +9,8 @@ privacy fields of `UserDPRewardConfig`:
         --users_per_batch 100 --max_users_per_batch 100
     python examples/reward_modeling.py --model_name_or_path cardiffnlp/twitter-roberta-base-sentiment \\
         --n_users 2500 --num_train_epochs 5 --per_device_train_batch_size 50   # the paper's IMDb setting (GPU)
+    accelerate launch --multi_gpu --num_processes 4 examples/reward_modeling.py --train_all_layers true \\
+        --grad_sample_mode ghost                                          # data-parallel, full fine-tuning
 """
 
 import dataclasses
@@ -54,8 +56,9 @@ def main(argv=None):
     trainer.train()
     trainer.save_model(training_args.output_dir)
     report = trainer.privacy_report()
-    print(f"saved to {training_args.output_dir}: ε = {report.epsilon:.3f} at δ = {report.delta:g} per user "
-          f"({report.mechanism}, {report.steps_taken} steps, {report.neighboring_relation} one user)")
+    if trainer.is_world_process_zero():
+        print(f"saved to {training_args.output_dir}: ε = {report.epsilon:.3f} at δ = {report.delta:g} per user "
+              f"({report.mechanism}, {report.steps_taken} steps, {report.neighboring_relation} one user)")
     return trainer
 
 

@@ -25,7 +25,7 @@ STEPS = 5  # one pass over the loader: round(1/q) = round(30/6) steps
 
 
 def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB, stray_forward=False,
-           sampling_seed=3, fault=None):
+           sampling_seed=3, fault=None, grad_sample_mode="hooks"):
     """One pass of private steps; returns the engine, the model, the update of every step and the rows
     this process saw at each step. ``fault``: the rows of users 0-9 get a NaN label (``"nan"``) or weight 0
     (``"zero"``: the same users with an exactly zero gradient); some of them are sampled in any draw of 15 steps."""
@@ -47,6 +47,7 @@ def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, max_samples_per_user=5, users_per_batch=upb,
         user_ids=ids, sampling_seed=sampling_seed, noise_generator=torch.Generator().manual_seed(11),
+        grad_sample_mode=grad_sample_mode,
     )
     updates, rows = [], []
     for x, y, w in loader:
@@ -79,6 +80,7 @@ def _worker(rank, world, tmp, case):
         engine, model, updates, rows = {
             "exact": lambda: _train(0.0, 1e6),
             "clip": lambda: _train(0.0, 0.01, upb=2.0),
+            "ghost": lambda: _train(0.0, 0.01, upb=2.0, grad_sample_mode="ghost"),
             "nan": lambda: _train(0.0, 0.01, upb=2.0, fault="nan"),
             # no sampling seed: rank 0 draws one from the OS and shares it
             "noise": lambda: _train(2.0, 0.5, zero_loss=True, dim=(40, 50), sampling_seed=None),
@@ -97,12 +99,14 @@ def _spawn(tmp_path, case):
     return [torch.load(tmp_path / f"{case}{r}.pt", weights_only=False) for r in range(2)]
 
 
-@pytest.mark.parametrize("case,clip,upb", [("exact", 1e6, UPB), ("clip", 0.01, 2.0), ("nan", 0.01, 2.0)])
+@pytest.mark.parametrize("case,clip,upb", [("exact", 1e6, UPB), ("clip", 0.01, 2.0), ("nan", 0.01, 2.0),
+                                           ("ghost", 0.01, 2.0)])
 def test_two_processes_take_the_same_steps_as_one(case, clip, upb):
     """σ = 0: each rank holds its users' shard (users sharded by id, so each user's average and clip are
     exact), and the all-reduced update equals the single-process update on the same user draws — with no
     clip reached, and with every user clipped (C = 0.01) and ñ = 2, where one rank's shard is often empty.
-    ``nan``: a user with a NaN label contributes exactly what a user with a zero gradient does (issue 11)."""
+    ``nan``: a user with a NaN label contributes exactly what a user with a zero gradient does (issue 11).
+    ``ghost``: per-user ghost clipping on each rank gives the single-process materialised update (issue 13)."""
     _, _, single, _ = _train(0.0, clip, upb=upb, fault="zero" if case == "nan" else None)
     if case == "nan":  # the user is sampled in this run (the warning), and one process drops it too
         with pytest.warns(RuntimeWarning, match="not finite"):
@@ -115,7 +119,7 @@ def test_two_processes_take_the_same_steps_as_one(case, clip, upb):
     assert torch.equal(torch.cat([p.flatten() for p in ranks[0]["params"]]),
                        torch.cat([p.flatten() for p in ranks[1]["params"]]))  # replicas stay identical
     assert (single.abs().sum(1) > 0).sum() >= 3  # real, non-empty steps
-    if case == "clip":
+    if case in ("clip", "ghost"):
         one_sided = [a == 0 < b or b == 0 < a for a, b in zip(ranks[0]["rows"], ranks[1]["rows"])]
         assert any(one_sided)  # a step where one rank had users and the other none
 

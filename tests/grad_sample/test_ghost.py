@@ -192,3 +192,26 @@ def test_autograd_gradient_is_dropped_after_the_self_check_and_a_bypass_is_still
     btl_pair_losses(model, batch).mean().backward()
     with pytest.raises(ValueError, match="bypassed the hooks"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("route", ["gram", "direct"])
+def test_one_row_per_user_uses_the_rows_themselves(route):
+    """Every user with one row in the micro-batch (m = 1): the norms come from the rows without packed copies."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ids = torch.randint(1, 64, (24, 7), generator=torch.Generator().manual_seed(0))
+    results = []
+    for mode in ("hooks", "ghost"):
+        model = MODELS["gpt2"]()
+        engine = trl_userdp.PrivacyEngine()
+        model, optimizer, loader = engine.make_private_user_level(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(TensorDataset(ids)),
+            noise_multiplier=0.0, max_grad_norm=0.05, max_samples_per_user=1, users_per_batch=8.0,
+            user_ids=list(range(24)), sampling_seed=0, grad_sample_mode=mode)
+        if mode == "ghost":
+            engine.hooks.norm_route = route
+        (x,) = next(b for b in loader if len(b[0]) >= 3)
+        (model(input_ids=x).logits[:, 0] ** 2).mean().backward()
+        optimizer.step()
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert rel_err(results[1], results[0]) < 1e-6

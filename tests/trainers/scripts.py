@@ -21,13 +21,13 @@ def tiny_reward_model(tokenizer):
 
 
 def reward_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, callbacks=None,
-                  **config):
+                  resume_from_checkpoint=None, **config):
     tokenizer = tiny_tokenizer()
     model = tiny_reward_model(tokenizer)
     args = config_cls(output_dir=output_dir, max_steps=steps, **{**COMMON, **config})
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset or text_preference_dataset(n_users=8, pairs_per_user=3),
                           processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     trainer.save_model()
     return trainer
 

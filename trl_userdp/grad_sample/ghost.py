@@ -95,8 +95,6 @@ class UserGhostHooks(UserGradSampleHooks):
         #: parameters that received per-unit terms in this step
         self.touched: Set[nn.Parameter] = set()
         self.units_seen: Set[int] = set()
-        #: the averaged-gradient norm of each unit clipped in this step (one tensor per micro-batch; for tests)
-        self.step_norms: List[torch.Tensor] = []
         self.non_finite_units = False
         self.closed = False
         for p in self.param_names:
@@ -119,8 +117,9 @@ class UserGhostHooks(UserGradSampleHooks):
         return flag is not None and bool(flag)
 
     def _reset_micro_batch(self) -> None:
-        #: per packable layer: (module, activations, output gradients) or (module, {param: [U, *p.shape]}, None)
-        self._records: List[Tuple[nn.Module, Any, Optional[torch.Tensor]]] = []
+        #: per packable layer: (module, activations, output gradients, their scale) or (module, {param: [U, *p.shape]},
+        #: None, 1.0)
+        self._records: List[Tuple[nn.Module, Any, Optional[torch.Tensor], float]] = []
         self._norm2: Optional[torch.Tensor] = None
         self._index: Optional[torch.Tensor] = None
         self.unit_ids, self._slot_of, self.unit_counts = [], {}, torch.zeros(0)
@@ -163,8 +162,11 @@ class UserGhostHooks(UserGradSampleHooks):
         if self.closed:
             raise ValueError("A backward pass ran after this step's users were clipped (optimizer.step()): run every "
                              "micro-batch's backward pass before optimizer.step().")
+        # the output gradient as autograd gave it, without Opacus's copy scaled by the batch size for a mean loss: the
+        # scale joins the norms and weights instead (one copy less of the largest tensor, e.g. an LM head's logits)
         activations, backprops = self.rearrange_grad_samples(
-            module=module, backprops=forward_output[0].detach(), loss_reduction=loss_reduction, batch_first=batch_first)
+            module=module, backprops=forward_output[0].detach(), loss_reduction="sum", batch_first=batch_first)
+        scale = float(module.max_batch_len) if loss_reduction == "mean" else 1.0
         if not module.activations and hasattr(module, "max_batch_len"):
             del module.max_batch_len
         params = [p for _, p in trainable_parameters(module)]
@@ -177,10 +179,14 @@ class UserGhostHooks(UserGradSampleHooks):
             return
         if self.record_row_norms:  # the self-check's tolerance: Σ_r ‖row gradient‖ / R
             for p, norms in NORM_SAMPLERS[type(module)](module, activations, backprops).items():
-                p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + float(norms.sum()) / len(slots)
+                p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + scale * float(norms.sum()) / len(slots)
         norm2, unit_grads = self._unit_norms2(module, activations, backprops, slots)
+        norm2 = norm2 * scale ** 2
         self._norm2 = norm2 if self._norm2 is None else self._norm2 + norm2.to(self._norm2.device)
-        self._records.append((module, activations, backprops) if unit_grads is None else (module, unit_grads, None))
+        if unit_grads is None:
+            self._records.append((module, activations, backprops, scale))
+        else:
+            self._records.append((module, {p: g.mul_(scale) for p, g in unit_grads.items()}, None, 1.0))
         self.touched.update(params)
 
     def _accumulate(self, p: nn.Parameter, rows: torch.Tensor) -> None:
@@ -206,19 +212,26 @@ class UserGhostHooks(UserGradSampleHooks):
     def _unit_norms2(self, module: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
                      slots: torch.Tensor) -> Tuple[torch.Tensor, Optional[Dict[nn.Parameter, torch.Tensor]]]:
         """``‖Σ_{r∈u} ∇ℓ_r‖²`` over this layer's parameters, per unit ``[U]``; on the direct route also the unit
-        gradients ``{param: [U, *p.shape]}`` (kept instead of the activations: then they are smaller)."""
+        gradients ``{param: [U, *p.shape]}`` (kept instead of the activations: then they are smaller). With one row per
+        unit the rows are the units (no packed copies), reordered."""
         index = self._packing_index(slots)
-        packed_a = [_pack(a, index) for a in activations]
-        packed_g = _pack(backprops, index)
+        one_row = index.shape[1] == 1
+        if one_row:
+            rows = index[:, 0].to(backprops.device)
+            packed_a, packed_g = activations, backprops
+        else:
+            packed_a, packed_g = [_pack(a, index) for a in activations], _pack(backprops, index)
         weight = getattr(module, "weight", None)
-        gram_cost = packed_g.shape[1] * (packed_a[0].shape[-1] + packed_g.shape[-1])
+        positions = index.shape[1] * (backprops[0].numel() // backprops.shape[-1])
+        gram_cost = positions * (activations[0].shape[-1] + backprops.shape[-1])
         direct = gram_cost > weight.numel() if self.norm_route == "auto" and weight is not None else self.norm_route == "direct"
         if direct and not isinstance(module, nn.Embedding):
-            grads = {p: g for p, g in self.GRAD_SAMPLERS[type(module)](module, packed_a, packed_g).items()
-                     if p.requires_grad}
+            grads = {p: g if not one_row else g.index_select(0, rows)
+                     for p, g in self.GRAD_SAMPLERS[type(module)](module, packed_a, packed_g).items() if p.requires_grad}
             return torch.stack([g.flatten(1).float().pow(2).sum(1) for g in grads.values()]).sum(0), grads
         norms = NORM_SAMPLERS[type(module)](module, packed_a, packed_g)
-        return torch.stack([n.float().pow(2) for p, n in norms.items() if p.requires_grad]).sum(0), None
+        norm2 = torch.stack([n.float().pow(2) for p, n in norms.items() if p.requires_grad]).sum(0)
+        return (norm2.index_select(0, rows) if one_row else norm2), None
 
     def _whole_batch_gradient(self, module: nn.Module, activations: List[torch.Tensor],
                               backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
@@ -250,18 +263,19 @@ class UserGhostHooks(UserGradSampleHooks):
         weights = torch.where(bad, torch.zeros(()), self.clip_factors(norms).cpu() / counts)  # c_u / n_u
         row_slots = self._row_slots
         rows_bad, row_weights = bad[row_slots], weights[row_slots]
-        for module, activations, backprops in self._records:
+        for module, activations, backprops, scale in self._records:
             if backprops is None:  # the direct route's unit gradients
                 fallback.extend(activations.items())
                 continue
             if self.record_row_norms:  # what autograd's gradient of this micro-batch must be: Σ_r ∇ℓ_r / R
-                for p, g in self._whole_batch_gradient(module, activations, backprops / len(row_slots)).items():
+                check = backprops if scale == len(row_slots) else backprops * (scale / len(row_slots))
+                for p, g in self._whole_batch_gradient(module, activations, check).items():
                     p._check_sum = getattr(p, "_check_sum", 0.0) + g
             if bad.any():
                 backprops = backprops.masked_fill(_rows_view(rows_bad, backprops), 0)
                 activations = [a.masked_fill(_rows_view(rows_bad, a), 0) if a.is_floating_point() else a
                                for a in activations]
-            scaled = backprops * _rows_view(row_weights, backprops).to(backprops.dtype)
+            scaled = backprops * _rows_view(row_weights * scale, backprops).to(backprops.dtype)
             for p, g in self._whole_batch_gradient(module, activations, scaled).items():
                 self._add(p, g)
         for i, (p, sums) in enumerate(fallback):
@@ -270,7 +284,6 @@ class UserGhostHooks(UserGradSampleHooks):
             if bad.any():
                 sums = sums.masked_fill(_rows_view(bad, sums), 0)
             self._add(p, torch.einsum("u,u...->...", weights.to(sums.device, sums.dtype), sums))
-        self.step_norms.append(norms)
         self.units_seen.update(self.unit_ids)
         self.non_finite_units |= bool(bad.any())
         self._reset_micro_batch()

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import datasets
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
@@ -162,12 +163,12 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             if "forward" in vars(policy):  # TRL patched the instance's forward (its fused LM head)
                 unfuse_lm_head(policy)
             resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
-            if self.accelerator.num_processes > 1:
-                raise ValueError(
-                    "The user-level DP trainers run in one process for now (transformers' Trainer wraps the model in "
-                    "DistributedDataParallel, which averages raw gradients). For data-parallel user-wise DP-SGD use "
-                    "trl_userdp.PrivacyEngine.make_private_user_level in your own loop; it shards users by rank."
-                )
+            if getattr(self, "is_fsdp_enabled", False):
+                raise ValueError("FSDP shards each parameter across processes, so no process holds a user's whole "
+                                 "gradient to clip: use DDP (`accelerate launch --multi_gpu`), which the trainers support.")
+            if getattr(self, "is_deepspeed_enabled", False):
+                raise ValueError("DeepSpeed reduces and partitions raw gradients inside its engine, before any per-user "
+                                 "clipping: use DDP (`accelerate launch --multi_gpu`), which the trainers support.")
             self.add_callback(PrivacyBudgetCallback(self))
             # Each micro-batch's loss is the mean of its own rows and each row's gradient must be its own (the hooks
             # average per user), so the Trainer must not divide the loss by gradient_accumulation_steps.
@@ -184,7 +185,9 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         self.model.train()  # from_pretrained leaves models in eval mode; the Trainer switches later
         if self.optimizer is None:
             self.create_optimizer()
-        users_per_batch = (float(args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        # the global ñ: TRL's global batch (each process gets about per_device_train_batch_size users per micro-batch)
+        users_per_batch = (float(args.per_device_train_batch_size * args.gradient_accumulation_steps
+                                 * self.accelerator.num_processes)
                            if args.users_per_batch is None else args.users_per_batch)
         common = dict(
             module=self.model,
@@ -251,6 +254,12 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             inputs.pop(USER_KEY, None)
             self.privacy_engine.hooks.set_row_users(torch.zeros(0, dtype=torch.long), continuation=self._continuation)
             return torch.zeros((), device=self.args.device)
+        if self._dp_active and isinstance(model, DistributedDataParallel):
+            # Data-parallel: every process holds its own users (sharded by rank) and clips them; the private optimizer
+            # all-reduces the clipped sums once, with rank 0's noise. DDP's all-reduce of the raw gradients would mix
+            # users across processes (and is wasted work), so it never runs.
+            with model.no_sync():
+                return super().training_step(model, inputs, num_items_in_batch)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def train(self, *args, **kwargs):

@@ -46,8 +46,8 @@ class UserDPArguments:
         default=10, metadata={"help": "m: rows a user may contribute; extra rows are dropped once, seeded."}
     )
     users_per_batch: Optional[float] = dataclasses.field(
-        default=None, metadata={"help": "Expected users per optimizer step ñ (default: per_device_train_batch_size × "
-                                         "gradient_accumulation_steps)."}
+        default=None, metadata={"help": "Expected users per optimizer step ñ, over all processes (default: "
+                                         "per_device_train_batch_size × gradient_accumulation_steps × processes)."}
     )
     user_column: str = dataclasses.field(default="user_id", metadata={"help": "Column naming each row's user."})
     concentration_radius: Optional[float] = dataclasses.field(
