@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -74,6 +75,25 @@ class PrivacyBudgetCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         return self._check(control)
+
+
+@contextlib.contextmanager
+def _rank_local_gathers(accelerator):
+    """TRL's losses gather their batch statistics (rewards, accuracies, token counts) across processes inside the
+    loss. Under user-level DP a process whose shard has no user in a step runs no loss, so such a gather would be a
+    collective only the others join; the statistics are private and not logged anyway (``log_private_metrics``), so
+    inside the training loss they stay on their process."""
+    saved = {name: accelerator.__dict__.get(name) for name in ("gather", "gather_for_metrics")}
+    accelerator.gather = lambda tensor: tensor
+    accelerator.gather_for_metrics = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del accelerator.__dict__[name]
+            else:
+                accelerator.__dict__[name] = value
 
 
 class UserDPTrainerMixin(PrivacyModelCardMixin):
@@ -237,6 +257,10 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             if row_users is None:
                 raise ValueError("A training batch came without its row -> user map; use the trainer's own train loader.")
             self.privacy_engine.hooks.set_row_users(row_users.cpu(), continuation=self._continuation)
+            if self.accelerator.num_processes > 1:
+                with _rank_local_gathers(self.accelerator):
+                    return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                                num_items_in_batch=num_items_in_batch)
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):

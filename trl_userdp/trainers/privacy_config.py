@@ -154,6 +154,16 @@ class UserDPArguments:
         if getattr(self, "include_num_input_tokens_seen", "no") not in ("no", False):
             logger.warning("include_num_input_tokens_seen counts the tokens of private batches; turned off under DP.")
             self.include_num_input_tokens_seen = "no"
+        if hasattr(self, "ddp_broadcast_buffers"):
+            # Under DDP a process whose shard has no user in a step runs no forward pass; DDP's buffer broadcast at
+            # every forward would then be a collective only the others join. No buffer is trained here (BatchNorm is
+            # refused), so the replicas' buffers stay equal without it.
+            if self.ddp_broadcast_buffers:
+                logger.warning("ddp_broadcast_buffers=True set to False under user-level DP.")
+            self.ddp_broadcast_buffers = False
+        if getattr(self, "ddp_static_graph", None):
+            raise ValueError("ddp_static_graph=True: DDP's static graph reduces gradients itself; under user-level DP "
+                             "only the clipped sums are reduced. Leave it unset.")
         if getattr(self, "padding_free", False):
             raise ValueError("padding_free=True packs several users' rows into one: set padding_free=False under DP.")
         if self.max_grad_norm and self.max_grad_norm > 0:
