@@ -11,6 +11,7 @@ privacy fields of `UserDPRewardConfig`:
         --n_users 2500 --num_train_epochs 5 --per_device_train_batch_size 50   # the paper's IMDb setting (GPU)
     accelerate launch --multi_gpu --num_processes 4 examples/reward_modeling.py --train_all_layers true \\
         --grad_sample_mode ghost                                          # data-parallel, full fine-tuning
+    torchrun --nproc_per_node 2 examples/reward_modeling.py --use_cpu true   # the same on two CPU processes
 """
 
 import dataclasses

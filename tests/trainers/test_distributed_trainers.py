@@ -14,7 +14,7 @@ from scipy import stats
 from trl_userdp import PrivacyReport
 from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
 
-from ..tiny_models import tiny_tokenizer
+from ..tiny_models import tiny_llama_lm, tiny_tokenizer
 from .scripts import dpo_script, reward_script, tiny_reward_model
 
 EXACT = dict(noise_multiplier=0.0, target_epsilon=None, per_user_max_grad_norm=1e6, optim="sgd", learning_rate=0.5)
@@ -93,14 +93,20 @@ def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(tmp_pa
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
 
 
-def test_one_noise_draw_across_processes(tmp_path):
+#: the DPO variants of the noise and failure tests run with `-m slow` (the default run keeps the reward ones)
+REWARD_THEN_SLOW_DPO = ["reward", pytest.param("dpo", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("kind", REWARD_THEN_SLOW_DPO)
+def test_one_noise_draw_across_processes(tmp_path, kind):
     """One step, σ = 10: the update is noise of std σC/ñ per coordinate (the clipped users' sum, ≤ 2C in norm, is
     negligible against the noise's norm σC/ñ·√n); a draw per rank would double the variance."""
     sigma, clip, n_tilde = 10.0, 0.1, 4.0
-    out, ranks = _two_processes(tmp_path, "reward", steps=1, noise_multiplier=sigma, target_epsilon=None,
+    out, ranks = _two_processes(tmp_path, kind, steps=1, noise_multiplier=sigma, target_epsilon=None,
                                 per_user_max_grad_norm=clip, optim="sgd", learning_rate=1.0)
     assert all("error" not in r for r in ranks), ranks
-    start = tiny_reward_model(tiny_tokenizer()).state_dict()
+    tokenizer = tiny_tokenizer()
+    start = (tiny_reward_model(tokenizer) if kind == "reward" else tiny_llama_lm(len(tokenizer))).state_dict()
     update = torch.cat([(start[k] - v).flatten() for k, v in ranks[0]["params"].items()]).double()
     n = update.numel()
     expected_var = (sigma * clip / n_tilde) ** 2
@@ -109,8 +115,9 @@ def test_one_noise_draw_across_processes(tmp_path):
     assert lo <= stat <= hi, (float(update.var()), expected_var)  # the signal's share of the variance is < 1e-4
 
 
-def test_a_failing_check_on_one_rank_stops_both(tmp_path):
-    out, ranks = _two_processes(tmp_path, "reward", fail_on_rank=1, steps=2, **EXACT)
+@pytest.mark.parametrize("kind", REWARD_THEN_SLOW_DPO)
+def test_a_failing_check_on_one_rank_stops_both(tmp_path, kind):
+    out, ranks = _two_processes(tmp_path, kind, fail_on_rank=1, steps=2, **EXACT)
     assert "injected on one rank" in ranks[1]["error"]
     assert "Another process failed this step's checks" in ranks[0]["error"]
     assert not os.path.isfile(os.path.join(out, "privacy_report.json"))
@@ -129,3 +136,10 @@ def test_a_resumed_two_process_run_continues_epsilon(tmp_path):
     assert PrivacyReport.load(out).epsilon == pytest.approx(epsilon, rel=1e-12)
     for name, value in straight[0]["params"].items():  # the noise continues, keyed by (seed, step)
         torch.testing.assert_close(resumed[0]["params"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_single_process_mechanisms_refuse_several_processes_before_training(tmp_path):
+    out, ranks = _two_processes(tmp_path, "reward", steps=1, privacy_mechanism="user_dpsgd_adaptive")
+    for r in ranks:
+        assert "'user_dpsgd_adaptive' runs in one process" in r["error"]
+    assert not os.path.isfile(os.path.join(out, "privacy_report.json"))

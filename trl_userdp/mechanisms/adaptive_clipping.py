@@ -19,6 +19,8 @@ class AdaptiveClipUserDPSGD(UserDPSGD):
 
     name = "user_dpsgd_adaptive"
     summary = "user-wise DP-SGD whose clip follows a private quantile of the users' norms (Andrew et al. 2021)"
+    single_process_reason = ("its count of users within the clip would have to be summed across processes before its "
+                             "noise is added; use user_dpsgd for data-parallel training.")
 
     def __init__(self, target_quantile: float = 0.5, clip_learning_rate: float = 0.2,
                  count_noise_multiplier: Optional[float] = None):
@@ -39,9 +41,7 @@ class AdaptiveClipUserDPSGD(UserDPSGD):
         cls.from_arguments(args)
 
     def optimizer_class(self, world_size: int) -> type:
-        if world_size > 1:
-            raise ValueError("Adaptive per-user clipping runs in one process for now (its count would need the same "
-                             "all-reduce as the gradients); use user_dpsgd for data-parallel training.")
+        self.check_world_size(world_size)
         from ..optimizers.adaptive_clip_optimizer import AdaptiveClipUserDPOptimizer
 
         return AdaptiveClipUserDPOptimizer

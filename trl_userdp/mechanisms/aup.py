@@ -109,6 +109,8 @@ class AUPRLHF(GradientMechanism):
     summary = "AUP-RLHF: concentration test, outlier removal, noise scaled to τ (needs concentration_radius)"
     adaptive = True
     accepts_noise_multiplier = False  # σ follows from (ε, δ, T) and τ (Alg. 2)
+    single_process_reason = ("its concentration score compares every sampled user's gradient with every other's; use "
+                             "user_dpsgd for data-parallel training.")
 
     def optimizer_class(self, world_size: int) -> type:
         from ..optimizers.aup_optimizer import AUPOptimizer

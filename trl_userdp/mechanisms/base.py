@@ -80,6 +80,8 @@ class GradientMechanism(Mechanism):
     clipping_unit: ClassVar[str] = "user"
     #: set up by :class:`~trl_userdp.AdaptiveUserPrivacyEngine` instead of :class:`~trl_userdp.PrivacyEngine`
     adaptive: ClassVar[bool] = False
+    #: why the mechanism cannot run data-parallel (None: it can; users sharded by rank, one all-reduce)
+    single_process_reason: ClassVar[Optional[str]] = None
 
     @property
     def report_name(self) -> str:
@@ -88,9 +90,16 @@ class GradientMechanism(Mechanism):
 
     def optimizer_class(self, world_size: int) -> type:
         """The Opacus-style optimizer that runs one step of this mechanism."""
+        self.check_world_size(world_size)
         from ..optimizers import DistributedUserDPOptimizer, UserDPOptimizer
 
         return DistributedUserDPOptimizer if world_size > 1 else UserDPOptimizer
+
+    @classmethod
+    def check_world_size(cls, world_size: int) -> None:
+        """Refuse several processes for a mechanism that runs in one (:attr:`single_process_reason`)."""
+        if world_size > 1 and cls.single_process_reason is not None:
+            raise ValueError(f"privacy_mechanism={cls.name!r} runs in one process: {cls.single_process_reason}")
 
     def make_loader(self, dataset: Any, *, n_users: int, users_per_batch: float, max_samples_per_user: int,
                     **loader_options: Any) -> Tuple[Any, float]:

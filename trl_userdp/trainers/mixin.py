@@ -183,6 +183,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             if "forward" in vars(policy):  # TRL patched the instance's forward (its fused LM head)
                 unfuse_lm_head(policy)
             resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
+            get_mechanism(self.args.privacy_mechanism).check_world_size(self.accelerator.num_processes)
             if getattr(self, "is_fsdp_enabled", False):
                 raise ValueError("FSDP shards each parameter across processes, so no process holds a user's whole "
                                  "gradient to clip: use DDP (`accelerate launch --multi_gpu`), which the trainers support.")
