@@ -42,3 +42,16 @@ def test_adaptive_clipping_benchmark_runs_a_tiny_sweep(tmp_path):
     cell = out["results"]["3.0"]
     assert set(adaptive_clipping.COLUMNS) <= set(cell) and cell["ratio_to_mle"]["fixed C=1, no noise"]["n"] == 2
     assert os.path.exists(tmp_path / "adaptive_clipping.json") and os.path.exists(tmp_path / "adaptive_clipping.png")
+
+
+def test_step_cost_benchmark_runs_a_tiny_setting(tmp_path):
+    from benchmarks import step_cost
+
+    out = step_cost.main(["--workloads", "llama_lora", "--ms", "2", "--rows", "4", "--seq", "8", "--steps", "1",
+                          "--users", "4", "--materialised-limit-gb", "0", "--out", str(tmp_path)])
+    cells = out["results"]["llama_lora"]["cells"]
+    assert {"non-private", "opacus hooks", "opacus ghost", "user hooks m=2", "user ghost m=2"} == set(cells)
+    assert cells["non-private"]["time_ratio"] == 1.0 and all(c["median_s"] > 0 for c in cells.values())
+    scaling = out["scaling"]["cells"]
+    assert scaling["ghost|4"]["s_per_step"] > 0 and "skipped" in scaling["hooks|4"]
+    assert os.path.exists(tmp_path / "step_cost.json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..accountants.events import StepEvent, TruncatedPoissonGaussian
@@ -75,6 +76,29 @@ def score_test(users_per_batch: float, max_users_per_batch: int, epsilon: float,
     sensitivity :func:`score_sensitivity`."""
     return AboveThreshold(threshold_fraction * users_per_batch, epsilon,
                           score_sensitivity(max_users_per_batch, users_per_batch), generator)
+
+
+def survival_probability(users_per_batch: float, max_users_per_batch: int, svt_epsilon: float, steps: int,
+                         threshold_fraction: float = SCORE_THRESHOLD_FRACTION) -> float:
+    """P(AboveThreshold lets all ``steps`` queries through), in AUP-RLHF's best case: every sampled user within τ of
+    every other, so the score is ``|U_t|²/ñ`` with ``|U_t| ~ Poisson(ñ)`` truncated at ``ñ_max``. A query passes when
+    ``score + Lap(4Δ/ε_svt) ≥ threshold − Lap(2Δ/ε_svt)``, the threshold's noise drawn once per run, so the steps are
+    independent given it: ``P = E_ρ[P(pass | ρ)^T]``, integrated numerically over ρ."""
+    from scipy import stats
+
+    sensitivity = score_sensitivity(max_users_per_batch, users_per_batch)
+    query_scale, threshold_scale = 4 * sensitivity / svt_epsilon, 2 * sensitivity / svt_epsilon
+    counts = np.arange(max_users_per_batch + 1)
+    pmf = stats.poisson.pmf(counts, users_per_batch)
+    pmf[-1] += stats.poisson.sf(max_users_per_batch, users_per_batch)  # more users are cut to ñ_max
+    scores = counts ** 2 / users_per_batch
+    rho = np.linspace(-40 * threshold_scale, 40 * threshold_scale, 40_001)
+    gap = threshold_fraction * users_per_batch - rho[:, None] - scores[None, :]  # the query noise must reach it
+    clear = np.where(gap < 0, 1 - 0.5 * np.exp(np.minimum(gap, 0) / query_scale),
+                     0.5 * np.exp(-np.maximum(gap, 0) / query_scale))
+    passes = np.clip(clear @ pmf, 1e-300, 1.0)
+    density = stats.laplace.pdf(rho, scale=threshold_scale)
+    return float(np.trapezoid(density * np.exp(steps * np.log(passes)), rho))
 
 
 def split_budget(epsilon: float, delta: float, svt_fraction: float) -> Tuple[float, float, float]:
