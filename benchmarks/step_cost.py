@@ -260,7 +260,9 @@ def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, 
     ref = cells["non-private"]
     for cell in cells.values():
         cell["time_ratio"] = cell["median_s"] / ref["median_s"]
-        cell["memory_ratio"] = cell["peak_extra_bytes"] / ref["peak_extra_bytes"]
+        # a step too small to move the resident set has no memory ratio
+        cell["memory_ratio"] = (cell["peak_extra_bytes"] / ref["peak_extra_bytes"] if ref["peak_extra_bytes"] > 0
+                                else float("nan"))
     del methods
     gc.collect()
     return {"parameters": parameter_count(base), "cells": cells}

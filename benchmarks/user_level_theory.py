@@ -15,8 +15,10 @@ dp-accounting's PLD (truncated-Poisson event for AUP at (ε/2, δ/2); group conv
 Part B — the paper's Table 1/2 analogue: the per-coordinate noise std on the averaged gradient,
 user-wise DP-SGD ``σ·C/ñ`` against AUP-RLHF ``τ·σ'·√(8 log(e^ε T/δ))/ñ``, in the TL;DR setting
 (≈ 90k pairs, ñ·m = 500 pairs per step, 5 epochs), with C = 1 and τ = C/√m (the spread of an
-average of m gradients of norm ≤ C); plus the chance that Poisson fluctuation of |U_t| alone leaves
-AUP's concentration score above 4ñ/5 for all T steps.
+average of m gradients of norm ≤ C); plus the chance that AUP's AboveThreshold lets all T steps through in the best
+case (every sampled user within τ of every other: score |U_t|²/ñ with truncated Poisson |U_t|, the Laplace noise of
+the threshold and of each query included; ``aup.survival_probability``), and the users per step it needs for that
+at n = 2000, T = 500, ε = 3.
 
     python -m benchmarks.user_level_theory            # 20 seeds, about 11 min on 2 CPU cores
     python -m benchmarks.user_level_theory --quick    # m sweep only, 5 seeds, about 2 min
@@ -31,7 +33,6 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
-from scipy import stats
 from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, fmt, mean_ci, plot_with_intervals, print_table, write_results
@@ -111,15 +112,24 @@ def noise_table(ms: Sequence[int], epsilons: Sequence[float], total_pairs: int =
             sigma_aup = aup.gaussian_noise_multiplier(eps_gauss, delta_gauss, sample_rate=q, steps=steps, n_users=n,
                                                       max_users_per_batch=n_max, relation=RELATION, tol=1e-3)
             tau = C / math.sqrt(m)
-            # Poisson fluctuation alone: score ≈ |U|²/ñ must stay ≥ 4ñ/5, i.e. |U| ≥ √0.8·ñ
-            p_step = stats.poisson.sf(math.ceil(math.sqrt(aup.SCORE_THRESHOLD_FRACTION) * n_tilde) - 1, n_tilde)
+            eps_svt = aup.split_budget(eps, DELTA, svt_fraction=0.5)[0]
             rows.append({
                 "epsilon": eps, "m": m, "n": n, "users_per_step": n_tilde, "steps": steps,
                 "user_wise": sigma_user * C / n_tilde,
                 "aup": aup.noise_std(tau, sigma_aup, eps, steps, DELTA, n_tilde),
-                "aup_survives_T": float(p_step ** steps),
+                # best case (every user concentrated), with AboveThreshold's Laplace noise on the threshold and queries
+                "aup_survives_T": aup.survival_probability(n_tilde, n_max, eps_svt, steps),
             })
     return rows
+
+
+def regime_table(n: int = 2000, steps: int = 500, epsilon: float = 3.0,
+                 users_per_step: Sequence[int] = (100, 200, 400, 600, 800, 1000, 1200, 1500)) -> List[Dict[str, float]]:
+    """How many users per step AUP-RLHF needs to run ``steps`` steps without halting (best case, as the noise table)."""
+    eps_svt = aup.split_budget(epsilon, DELTA, svt_fraction=0.5)[0]
+    return [{"n": n, "steps": steps, "epsilon": epsilon, "users_per_step": u,
+             "survives": aup.survival_probability(float(u), aup.default_max_users_per_batch(u), eps_svt, steps)}
+            for u in users_per_step]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
@@ -162,9 +172,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         [[r["epsilon"], r["m"], r["n"], f"{r['users_per_step']:g}", r["steps"], f"{r['user_wise']:.4f}",
           f"{r['aup']:.4f}", f"{r['aup'] / r['user_wise']:.2f}", f"{r['aup_survives_T']:.2e}"] for r in noise],
     ))
+    regime = regime_table()
+    print("\nP(AUP-RLHF runs T = 500 steps without halting) against users per step ñ, n = 2000, ε = 3 (ε_svt = 1.5), "
+          "best case (every pair of users within τ), AboveThreshold's noise included")
+    tables.append(print_table(["ñ", "P(survives T steps)"], [[r["users_per_step"], f"{r['survives']:.3g}"] for r in regime]))
     settings = {"d": D, "delta": DELTA, "steps": STEPS, "lr": LR, "C": C, "neighboring_relation": RELATION}
-    path = write_results(args.name, {"seeds": seeds, "settings": settings,
-                                     "results": results, "noise_table": noise, "tables": tables}, args.out)
+    path = write_results(args.name, {"seeds": seeds, "settings": settings, "results": results, "noise_table": noise,
+                                     "regime_table": regime, "tables": tables}, args.out)
     plot(results["m"], sweeps["m"], os.path.splitext(path)[0] + ".png")
     print(f"results: {path}")
     return {"results": results, "noise_table": noise}
