@@ -21,6 +21,9 @@ def test_pipeline_runs_every_stage_and_writes_results(tmp_path, capsys):
     assert payload["results"][0]["epsilon_spent"] is None  # the table's "∞ (none)"
     private = payload["results"][2]
     assert 0 < private["epsilon_spent"] <= 8.0
+    assert private["privacy_report"]["extra"]["reward_model_reports"][0]["neighboring_relation"] == "replace"
+    assert payload["results"][0]["reward_model_vs_none_p"] is None
+    assert all(0 <= r["reward_model_vs_none_p"] <= 1 for r in payload["results"][1:])
     assert private["privacy_report"]["mechanism"] == "post-processing"
     assert "gold reward (95% CI)" in capsys.readouterr().out
     saved = json.load(open(tmp_path / "pipeline_results.json"))
@@ -50,3 +53,26 @@ def test_a_gold_reward_cached_by_another_version_is_refitted(tmp_path, monkeypat
 
 class _Stale:
     """Stands for a class pickled under a module path that no longer exists."""
+
+
+def test_mcnemar_p_is_the_exact_binomial_test_on_discordant_pairs():
+    import torch
+    from scipy import stats
+
+    from trl_userdp.experiments.pipeline.embedding_reward import mcnemar_p
+
+    reference = torch.tensor([True] * 30 + [False] * 20)
+    same = reference.clone()
+    assert mcnemar_p(same, reference) == 1.0
+    better = reference.clone()
+    better[30:42] = True  # 12 pairs only this one gets right
+    better[:2] = False  # 2 pairs only the reference gets right
+    expected = stats.binomtest(2, 14, 0.5).pvalue
+    assert abs(mcnemar_p(better, reference) - expected) < 1e-12 and expected < 0.05
+
+
+def test_randomized_response_cannot_be_compared_under_add_or_remove():
+    import pytest
+
+    with pytest.raises(ValueError, match="one relation"):
+        PipelineArguments(neighboring_relation="add_or_remove", mechanisms=["none", "randomized_response"])

@@ -67,7 +67,11 @@ def _two_processes(tmp_path, kind, name="dist", fail_on_rank=-1, **settings):
     return out, [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
 
 
-@pytest.mark.parametrize("kind", ["reward", "dpo"])
+#: the DPO variants run with `-m slow` (the default run keeps the reward ones, within CI's 10-minute budget)
+REWARD_THEN_SLOW_DPO = ["reward", pytest.param("dpo", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("kind", REWARD_THEN_SLOW_DPO)
 def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(tmp_path, kind):
     settings = dict(steps=4, **EXACT)  # 8 users, ñ = 4: some steps leave one process without users
     out, ranks = _two_processes(tmp_path, kind, **settings)
@@ -91,10 +95,6 @@ def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(tmp_pa
     assert PrivacyReport.load(out).extra["world_size"] == 2
     for name in ranks[0]["params"]:
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
-
-
-#: the DPO variants of the noise and failure tests run with `-m slow` (the default run keeps the reward ones)
-REWARD_THEN_SLOW_DPO = ["reward", pytest.param("dpo", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("kind", REWARD_THEN_SLOW_DPO)

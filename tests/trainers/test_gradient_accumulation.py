@@ -47,7 +47,8 @@ def test_the_default_users_per_step_is_the_logical_batch(tmp_path):
     assert trainer.privacy_engine.data_loader.users_per_batch == 4.0
 
 
-@pytest.mark.parametrize("script,trainer_cls,config_cls", SCRIPTS)
+@pytest.mark.parametrize("script,trainer_cls,config_cls",
+                         [SCRIPTS[0], pytest.param(*SCRIPTS[1], marks=pytest.mark.slow)])  # DPO with -m slow
 def test_ghost_clipping_trains_the_trainers_to_the_materialised_parameters(tmp_path, script, trainer_cls, config_cls):
     """grad_sample_mode='ghost' in the trainers: with the same seeds (users, noise) and a clip that binds, the same
     parameters as per-user gradients materialised by the hooks, with and without micro-batches (a tied DPO policy:

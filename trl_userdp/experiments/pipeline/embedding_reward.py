@@ -76,6 +76,19 @@ def btl_margin(head: LinearRewardHead, chosen: torch.Tensor, rejected: torch.Ten
     return r_chosen - r_rejected
 
 
-def pair_accuracy(head: LinearRewardHead, chosen: torch.Tensor, rejected: torch.Tensor) -> float:
+def pair_correct(head: LinearRewardHead, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Whether the head ranks each pair as the gold preference does (bool per pair)."""
     with torch.no_grad():
-        return float((btl_margin(head, chosen, rejected) > 0).float().mean()) if len(chosen) else float("nan")
+        return btl_margin(head, chosen, rejected) > 0
+
+
+def mcnemar_p(correct: torch.Tensor, reference: torch.Tensor) -> float:
+    """Two-sided exact McNemar test of two classifiers on the same pairs: under "same accuracy" each discordant pair
+    favours either with probability ½."""
+    from scipy import stats
+
+    only_this, only_reference = int((correct & ~reference).sum()), int((~correct & reference).sum())
+    discordant = only_this + only_reference
+    if discordant == 0:
+        return 1.0
+    return float(min(1.0, 2 * stats.binom.cdf(min(only_this, only_reference), discordant, 0.5)))

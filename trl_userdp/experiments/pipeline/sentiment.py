@@ -42,7 +42,8 @@ from ...losses import BTLLoss, RRDebiasedRewardLoss
 from ...mechanisms import NoPrivacy, UserRandomizedResponse, get_mechanism, mechanism_names
 from ...privacy_engine import PrivacyEngine
 from ...validators import check_delta, check_epsilon, check_max_samples_per_user, check_positive, check_users_per_batch
-from .embedding_reward import EmbeddingRewardFunction, LinearRewardHead, MiniLMEncoder, btl_margin, pair_accuracy
+from .embedding_reward import (EmbeddingRewardFunction, LinearRewardHead, MiniLMEncoder, btl_margin, mcnemar_p,
+                               pair_correct)
 from .gold import gold_reward
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ class PipelineArguments:
     reward_lr: float = dataclasses.field(default=2.0, metadata={"help": "Reward-head learning rate (SGD)."})
     epsilons: List[float] = dataclasses.field(default_factory=lambda: [3.0, 8.0], metadata={"help": "Target ε values."})
     delta: float = dataclasses.field(default=1e-5, metadata={"help": "Target δ."})
+    neighboring_relation: str = dataclasses.field(
+        default="replace",
+        metadata={"help": "Every mechanism's ε under this relation: 'replace' one user's labels (the papers' Def. 2, "
+                          "under which randomized response is defined; the DP-SGD family is calibrated to it by PLD) "
+                          "or 'add_or_remove' (without randomized_response).", "choices": ["replace", "add_or_remove"]})
     mechanisms: List[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_MECHANISMS),
                                               metadata={"help": f"Of {mechanism_names()}."})
     max_noise: float = dataclasses.field(default=0.3, metadata={"help": "Users' flip rates are Uniform(0, max_noise)."})
@@ -96,6 +102,11 @@ class PipelineArguments:
         check_positive(self.n_users, "n_users")
         check_users_per_batch(self.users_per_batch, self.n_users)
         check_positive(self.reward_epochs, "reward_epochs")
+        if self.neighboring_relation not in ("replace", "add_or_remove"):
+            raise ValueError(f"neighboring_relation must be 'replace' or 'add_or_remove', got {self.neighboring_relation!r}.")
+        if self.neighboring_relation != "replace" and "randomized_response" in self.mechanisms:
+            raise ValueError("randomized_response is defined under 'replace one user's labels'; compare every mechanism "
+                             "under one relation: neighboring_relation='replace', or drop randomized_response.")
         if self.gold not in ("tfidf", "vader"):
             raise ValueError(f"gold must be 'tfidf' or 'vader', got {self.gold!r}.")
 
@@ -194,6 +205,8 @@ class RewardResult:
     head: LinearRewardHead
     report: PrivacyReport
     eval_accuracy: float
+    #: whether it ranks each held-out pair as the gold preference does (for paired tests between reward models)
+    eval_correct: torch.Tensor
 
 
 def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tensor, data: SentimentData,
@@ -217,7 +230,9 @@ def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tenso
                 {"chosen": data.pairs[:, 0].tolist(), "rejected": data.pairs[:, 1].tolist(), "user_id": users}))
             chosen, rejected = emb[private["chosen"]], emb[private["rejected"]]
             users = list(private["user_id"])
-            loss_fn = RRDebiasedRewardLoss(rr.epsilon_per_label)
+            # normalised: an unbiased estimate of the clean BTL gradient, so the learning rate means what it means for
+            # the other mechanisms (unnormalised, the gradient is scaled by 2s − 1: 0.30 at ε = 3, m = 10)
+            loss_fn = RRDebiasedRewardLoss(rr.epsilon_per_label, normalize=True)
         loader = UserDataLoader(TensorDataset(chosen, rejected), users_per_batch=args.users_per_batch, user_ids=users,
                                 seed=args.seed)
         steps = int(round(args.reward_epochs * len(loader)))
@@ -231,13 +246,13 @@ def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tenso
                 optimizer.step()
     else:
         if get_mechanism(mechanism).adaptive:  # AUP: every user in every step (it halts on small Poisson batches), same T
-            engine = AdaptiveUserPrivacyEngine()
+            engine = AdaptiveUserPrivacyEngine(neighboring_relation=args.neighboring_relation)
             _, dp_opt, loader = engine.make_private_user_level(
                 concentration_radius=_public_tau(emb, data, args), target_epsilon=epsilon,
                 steps=int(round(args.reward_epochs * args.n_users / args.users_per_batch)),
                 users_per_batch=float(args.n_users), max_users_per_batch=args.n_users, **common)
         else:
-            engine = PrivacyEngine(accountant="pld")
+            engine = PrivacyEngine(accountant="pld", neighboring_relation=args.neighboring_relation)
             _, dp_opt, loader = engine.make_private_user_level(
                 target_epsilon=epsilon, epochs=args.reward_epochs, max_grad_norm=1.0, users_per_batch=args.users_per_batch,
                 mechanism=mechanism, **common)
@@ -251,8 +266,8 @@ def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tenso
                     break
         engine.detach()
         report = engine.privacy_report(args.delta)
-    eval_acc = pair_accuracy(head, emb[data.eval_pairs[:, 0]], emb[data.eval_pairs[:, 1]])
-    return RewardResult(mechanism, epsilon, head, report, eval_acc)
+    correct = pair_correct(head, emb[data.eval_pairs[:, 0]], emb[data.eval_pairs[:, 1]])
+    return RewardResult(mechanism, epsilon, head, report, float(correct.float().mean()), correct)
 
 
 def _public_tau(emb: torch.Tensor, data: SentimentData, args: PipelineArguments) -> float:
@@ -397,6 +412,7 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
     sft_path = build_sft_policy(data, args)
     stages.update(1)
     stages.set_postfix_str("online RL")
+    reference = next((r for r in rewards if r.mechanism == "none"), None)
     results = []
     for reward in tqdm(rewards, desc="online RL", leave=False):
         policy = train_policy(sft_path, reward, encoder, data, args)
@@ -406,6 +422,9 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
             "target_epsilon": reward.epsilon,
             "epsilon_spent": None if math.isinf(reward.report.epsilon) else reward.report.epsilon,
             "reward_model_pair_accuracy": reward.eval_accuracy,
+            # exact McNemar test against the non-private reward model on the same held-out pairs
+            "reward_model_vs_none_p": (None if reference is None or reward is reference
+                                       else mcnemar_p(reward.eval_correct, reference.eval_correct)),
             "gold_reward": final["gold_reward"],
             "gold_reward_se": final["gold_reward_se"],
             "kl": final["kl"],
@@ -430,23 +449,27 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
 def format_table(results: List[Dict[str, object]], args: PipelineArguments) -> str:
     lines = [
         f"Controlled sentiment generation in miniature: n = {args.n_users} users, m = {args.max_samples_per_user}, "
-        f"δ = {args.delta:g}, GRPO {args.rl_steps} steps (KL coefficient {args.kl_beta})",
-        f"{'mechanism':<20} {'target ε':>8} {'ε spent':>8} {'RM pair acc':>11} {'gold reward (95% CI)':>21} {'KL':>7}",
-        "-" * 80,
+        f"δ = {args.delta:g}, every ε under the {args.neighboring_relation!r} relation, GRPO {args.rl_steps} steps "
+        f"(KL coefficient {args.kl_beta})",
+        f"{'mechanism':<20} {'target ε':>8} {'ε spent':>8} {'RM pair acc':>11} {'p vs none':>9} "
+        f"{'gold reward (95% CI)':>21} {'KL':>7}",
+        "-" * 90,
     ]
     for r in results:
         eps = "—" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}"
         spent = "∞ (none)" if r["epsilon_spent"] is None else f"{r['epsilon_spent']:.3g}"
         note = " (halted)" if r.get("aup_halted") else ""
         reward = f"{r['gold_reward']:.3f} ± {1.96 * r['gold_reward_se']:.3f}"
-        lines.append(f"{r['mechanism']:<20} {eps:>8} {spent:>8} {r['reward_model_pair_accuracy']:>11.3f} "
+        p = "—" if r.get("reward_model_vs_none_p") is None else f"{r['reward_model_vs_none_p']:.3g}"
+        lines.append(f"{r['mechanism']:<20} {eps:>8} {spent:>8} {r['reward_model_pair_accuracy']:>11.3f} {p:>9} "
                      f"{reward:>21} {r['kl']:>7.3f}{note}")
     start = results[0]["curve"][0] if results else None
     if start is not None:
         reward = f"{start['gold_reward']:.3f} ± {1.96 * start['gold_reward_se']:.3f}"
-        lines.append(f"{'SFT policy (start)':<20} {'':>8} {'':>8} {'':>11} {reward:>21} {0.0:>7.3f}")
+        lines.append(f"{'SFT policy (start)':<20} {'':>8} {'':>8} {'':>11} {'':>9} {reward:>21} {0.0:>7.3f}")
     lines.append("ε spent: the reward model's user-level guarantee (the policy inherits it by post-processing); "
-                 f"RM pair acc: agreement with the gold preference on {args.eval_pairs} held-out pairs; gold reward: mean gold "
+                 f"RM pair acc: agreement with the gold preference on {args.eval_pairs} held-out pairs; p vs none: exact "
+                 "McNemar test of that agreement against the non-private reward model's on the same pairs; gold reward: mean gold "
                  f"log-odds of one sampled completion per held-out prompt ({args.eval_prompts} prompts).")
     return "\n".join(lines)
 
