@@ -38,7 +38,10 @@ def test_user_level_theory_runs_a_tiny_sweep(tmp_path):
 def test_adaptive_clipping_benchmark_runs_a_tiny_sweep(tmp_path):
     from benchmarks import adaptive_clipping
 
-    out = adaptive_clipping.main(["--seeds", "2", "--n", "200", "--m", "4", "--epsilons", "3", "--out", str(tmp_path)])
+    out = adaptive_clipping.main(["--seeds", "2", "--n", "200", "--m", "4", "--epsilons", "3", "--total", "400",
+                                  "--nm-ms", "2", "4", "--out", str(tmp_path)])
+    assert set(out["fixed_nm"]) == {"2", "4"} and out["fixed_nm"]["4"]["n"] == 100
+    assert os.path.exists(tmp_path / "adaptive_clipping_fixed_nm.png")
     cell = out["results"]["3.0"]
     assert set(adaptive_clipping.COLUMNS) <= set(cell) and cell["ratio_to_mle"]["fixed C=1, no noise"]["n"] == 2
     assert os.path.exists(tmp_path / "adaptive_clipping.json") and os.path.exists(tmp_path / "adaptive_clipping.png")

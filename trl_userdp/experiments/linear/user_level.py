@@ -144,27 +144,29 @@ def _user_wise_dpsgd(data, epsilon, delta, *, users_per_batch, steps, lr, clip, 
 
 
 def group_dpsgd(
-    data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, lr: float,
-    max_grad_norm: float, rng: np.random.Generator, B: float, relation: str = "add_or_remove",
+    data: BTLData, epsilon: Optional[float], delta: float, *, users_per_batch: float, steps: int,
+    lr: Union[float, Callable[[int], float]], max_grad_norm: float, rng: np.random.Generator, B: float,
+    relation: str = "add_or_remove", tail_average: bool = False,
 ) -> SGDResult:
     """Item-level DP-SGD made user-level by group privacy over a user's m records (Chua et al.
     2024 baseline): records Poisson-sampled at the users' rate q, each clipped to C, noise σC with σ
-    calibrated so that the group conversion gives (ε, δ) per user under ``relation``."""
+    calibrated so that the group conversion gives (ε, δ) per user under ``relation``. ``epsilon=None``: the same
+    steps without noise (the control); ``lr`` and ``tail_average`` as :func:`user_dpsgd`."""
     x, y, m = _by_user(data)
     xs, ys = data.x, data.y
     q = users_per_batch / len(x)
-    sigma = _sigma_poisson(epsilon, delta, q, steps, group_size=m, relation=relation)
+    sigma = 0.0 if epsilon is None else _sigma_poisson(epsilon, delta, q, steps, group_size=m, relation=relation)
     theta = project_theta(np.zeros(xs.shape[-1]), B)
     iterates = []
     expected = q * len(xs)
-    for _ in range(steps):
+    for t in range(steps):
         rows = np.flatnonzero(rng.random(len(xs)) < q)
         g = (_sigmoid(xs[rows] @ theta) - ys[rows])[:, None] * xs[rows]
         g *= np.minimum(1.0, max_grad_norm / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-12))
         noisy = (g.sum(0) + rng.normal(0, sigma * max_grad_norm, theta.shape)) / expected
-        theta = project_theta(theta - lr * noisy, B)
+        theta = project_theta(theta - step_size(lr, t) * noisy, B)
         iterates.append(theta)
-    return SGDResult(_average(iterates), steps)
+    return SGDResult(_average(iterates, tail_average), steps)
 
 
 def theorem4_tau(L: float, n: int, d: int, m: int, epsilon: float, steps: int, delta: float) -> float:
