@@ -110,11 +110,13 @@ class UserGhostHooks(UserGradSampleHooks):
         p.grad = None
 
     def received_gradient(self, p: nn.Parameter) -> bool:
-        """Whether autograd gave ``p`` a non-zero gradient in this step (also when it was dropped)."""
-        if p.grad is not None and bool(torch.count_nonzero(torch.nan_to_num(p.grad)) > 0):
-            return True
         flag = getattr(p, "_grad_nonzero", None)
-        return flag is not None and bool(flag)
+        return super().received_gradient(p) or (flag is not None and bool(flag))
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("A backward pass ran after this step's users were clipped (optimizer.step()): run every "
+                             "micro-batch's backward pass before optimizer.step().")
 
     def _reset_micro_batch(self) -> None:
         #: per packable layer: (module, activations, output gradients, their scale) or (module, {param: [U, *p.shape]},
@@ -159,9 +161,7 @@ class UserGhostHooks(UserGradSampleHooks):
         if module not in self.ghost_modules:
             super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
             return
-        if self.closed:
-            raise ValueError("A backward pass ran after this step's users were clipped (optimizer.step()): run every "
-                             "micro-batch's backward pass before optimizer.step().")
+        self._check_open()
         # the output gradient as autograd gave it, without Opacus's copy scaled by the batch size for a mean loss: the
         # scale joins the norms and weights instead (one copy less of the largest tensor, e.g. an LM head's logits)
         activations, backprops = self.rearrange_grad_samples(
@@ -190,9 +190,7 @@ class UserGhostHooks(UserGradSampleHooks):
         self.touched.update(params)
 
     def _accumulate(self, p: nn.Parameter, rows: torch.Tensor) -> None:
-        if self.closed:
-            raise ValueError("A backward pass ran after this step's users were clipped (optimizer.step()): run every "
-                             "micro-batch's backward pass before optimizer.step().")
+        self._check_open()
         super()._accumulate(p, rows)
         self.touched.add(p)
 

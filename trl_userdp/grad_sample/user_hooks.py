@@ -151,6 +151,10 @@ class UserGradSampleHooks(GradSampleHooks):
         p._unit_grad = acc
         p.grad_sample = acc
 
+    def received_gradient(self, p: nn.Parameter) -> bool:
+        """Whether autograd gave ``p`` a non-zero gradient in this step (a use the hooks must have seen)."""
+        return p.grad is not None and bool(torch.count_nonzero(torch.nan_to_num(p.grad)) > 0)
+
     def _row_mismatch(self, p: nn.Parameter, got: int, expected: int) -> None:
         raise ValueError(
             f"Parameter {self.param_names.get(p, '?')!r} got per-sample gradients for {got} rows, "

@@ -148,9 +148,9 @@ class UserDPOptimizer(DPOptimizer):
                 "torch.no_grad() or model.eval(), and backpropagate every training forward pass."
             )
 
-    def _check_not_bypassed(self, p: torch.nn.Parameter, dropped: bool = False) -> None:
-        """A parameter with no per-unit term must have no gradient either (``dropped``: it had one, since freed)."""
-        if dropped or (p.grad is not None and torch.count_nonzero(torch.nan_to_num(p.grad)) > 0):
+    def _check_not_bypassed(self, p: torch.nn.Parameter) -> None:
+        """A parameter with no per-unit term must have no gradient either."""
+        if self.hooks.received_gradient(p):
             raise ValueError(
                 f"{self._param_name(p)!r} received a gradient but no per-sample gradient: its forward "
                 "bypassed the hooks (TRL's fused LM head, a functional call on the weight). Disable the "
@@ -253,8 +253,8 @@ class UserDPOptimizer(DPOptimizer):
         self.clip_and_accumulate()
         if self.hooks.units_in_step > 0:
             for p in self.params:
-                if p not in self.hooks.touched and self.hooks.received_gradient(p):
-                    self._check_not_bypassed(p, dropped=True)
+                if p not in self.hooks.touched:
+                    self._check_not_bypassed(p)
             if self.hooks.non_finite_units:
                 self._warn_non_finite()
             elif self.self_check and self._self_check():
