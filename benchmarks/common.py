@@ -7,7 +7,7 @@ import os
 import platform
 import sys
 import time
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 from scipy import stats
@@ -24,6 +24,9 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> Dict[str, float]:
 
 
 def fmt(ci: Dict[str, float], digits: int = 3) -> str:
+    """``mean ± half-width``; "—" for a cell that has no value (NaN)."""
+    if np.isnan(ci["mean"]):
+        return "—"
     return f"{ci['mean']:.{digits}f} ± {(ci['hi'] - ci['mean']):.{digits}f}"
 
 
@@ -51,22 +54,45 @@ def write_results(name: str, payload: dict, out_dir: str = RESULTS_DIR) -> str:
     return path
 
 
-def plot_with_intervals(path: str, x: Sequence[float], series: Dict[str, List[Dict[str, float]]], *, xlabel: str,
-                        ylabel: str, title: str, dashed: Iterable[str] = ()) -> None:
-    """One line per series of :func:`mean_ci` cells over ``x`` (log-log), with their intervals; written to ``path``."""
+Series = Dict[str, List[Dict[str, float]]]
+
+
+def plot_panels(path: str, panels: Sequence[Tuple[str, Sequence[float], Series, str]], *, ylabel: str,
+                dashed: Iterable[str] = (), columns: int = 3) -> None:
+    """One log-log panel per ``(title, x, series, xlabel)``, one line per series of :func:`mean_ci` cells with their
+    95% intervals (``dashed``: references and controls); written to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     dashed = set(dashed)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for name, cells in series.items():
-        ax.errorbar(x, [c["mean"] for c in cells], yerr=[c["hi"] - c["mean"] for c in cells], label=name, marker="o",
-                    ms=3, capsize=2, linestyle="--" if name in dashed else "-")
-    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    names = list(dict.fromkeys(name for _, _, series, _ in panels for name in series))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per series in every panel
+    columns = min(columns, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.8 * rows), squeeze=False)
+    for ax, (title, x, series, xlabel) in zip(axes.flat, panels):
+        for name, cells in series.items():
+            ax.errorbar(x, [c["mean"] for c in cells], yerr=[c["hi"] - c["mean"] for c in cells], label=name,
+                        color=colors[name], marker="o", ms=3, capsize=2, linestyle="--" if name in dashed else "-")
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+        ax.set_xticks(list(x), [f"{v:g}" for v in x])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]}
+    if len(panels) == 1:
+        axes.flat[0].legend(fontsize=7)
+    else:
+        fig.legend([handles[n] for n in names], names, loc="lower center", ncol=min(len(names), 4), fontsize=8)
+    fig.tight_layout(rect=(0, 0.03 * (1 + len(names) // 4) if len(panels) > 1 else 0, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
+
+def plot_with_intervals(path: str, x: Sequence[float], series: Series, *, xlabel: str, ylabel: str, title: str,
+                        dashed: Iterable[str] = ()) -> None:
+    """One panel of :func:`plot_panels`."""
+    plot_panels(path, [(title, x, series, xlabel)], ylabel=ylabel, dashed=dashed)

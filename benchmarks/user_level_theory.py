@@ -1,32 +1,44 @@
-"""User-level label DP in the linear BTL model: AUP-RLHF against its baselines (AUP-RLHF §4–6).
+"""User-level label DP in the linear BTL model: every mechanism against the non-private MLE, with a schedule that
+converges and noise-free controls, so that every gap measures privacy and not the optimiser (AUP-RLHF §4–6; issue 15).
 
-Part A — ℓ2 error of θ* estimates, ≥ 20 seeds per cell, for: non-private MLE; user-level RR (ε/m
-per label) + de-biased MLE; group-privacy DP-SGD; user-wise DP-SGD; AUP-RLHF with Thm 4's τ and η;
-AUP-RLHF with τ from public users; central objective perturbation at user level. Sweeps: m at fixed
-n, n at fixed m, ε at fixed (n, m); δ = 1e-5.
+Part A — ℓ2 error of θ̂, 10 paired seeds per cell. Each seed draws θ* (d = 5, ‖θ*‖ = B = L = 1, φ ~ N(0, I/d) clipped
+to ‖φ‖ ≤ 1) and *one* pool of n·m = 20000 comparisons. Every cell of that seed regroups the same pool into n = 20000/m
+users of m comparisons, m ∈ {1, 5, 10, 20, 50}, and runs ε ∈ {0.5, 1, 2, 3, 5, 8} on it: the data are nested across
+cells, so the non-private MLE is the same in every cell of a seed and only what one user is (and ε) changes. The row
+m = 10 (n = 2000) is the fixed-n privacy–utility curve; the grid is the fixed-n·m one. Every ε is user-level under the
+papers' relation, replacing one user's labels (Def. 2), δ = 1e-5. Columns:
 
-Choices: d = 5, L = B = 1, θ* centred with ‖θ*‖ = 1 (one θ* per seed), φ ~ N(0, I/d) clipped to
-‖φ‖ ≤ 1. SGD-type estimators use every user at every step (ñ = n, Thm 4's choice; with Poisson
-batches of ñ ≪ n AUP-RLHF halts within a few steps, see part B), T = 100 steps, step 0.5 (AUP with
-Thm 4: its η), C = 1, projection onto Θ_B, average iterate. "τ from public users": the 0.9-quantile
-of the distances between per-user gradients at θ = 0 on 200 fresh public users. σ from
-dp-accounting's PLD (truncated-Poisson event for AUP at (ε/2, δ/2); group conversion for group privacy).
+- non-private MLE; user-level randomized response (ε/m per label) + the de-biased MLE;
+- user-wise DP-SGD with a fixed clip C = 1 (the users' norms are ≈ 0.15: a loose clip nobody would know to avoid),
+  with an oracle clip (the median of the users' averaged-gradient norms at θ*: needs θ*), and with the adaptive clip
+  (docs/mechanisms.md, M1a; from C₀ = 1 towards the median, its count paid for inside σ);
+- group DP-SGD: item-level DP-SGD on records (record clip 1) made user-level by group privacy over m records;
+- AUP-RLHF (Alg. 2 with the sensitivity correction of docs/mechanisms.md, M4) with τ from public users: the
+  0.9-quantile of the distances between per-user gradients at θ = 0 on 200 fresh users; only where n ≤ 2000 (its
+  concentration score compares every pair of sampled users, O(n²) per step). Its "steps" column is the number of
+  steps it ran before AboveThreshold halted it;
+- user-level objective perturbation (Chowdhury et al. §5.2 with L → m·L).
 
-Part B — the paper's Table 1/2 analogue: the per-coordinate noise std on the averaged gradient,
-user-wise DP-SGD ``σ·C/ñ`` against AUP-RLHF ``τ·σ'·√(8 log(e^ε T/δ))/ñ``, in the TL;DR setting
-(≈ 90k pairs, ñ·m = 500 pairs per step, 5 epochs), with C = 1 and τ = C/√m (the spread of an
-average of m gradients of norm ≤ C); plus the chance that AUP's AboveThreshold lets all T steps through in the best
-case (every sampled user within τ of every other: score |U_t|²/ñ with truncated Poisson |U_t|, the Laplace noise of
-the threshold and of each query included; ``aup.survival_probability``), and the users per step it needs for that
-at n = 2000, T = 500, ε = 3.
+Every SGD estimator (user-wise, group, AUP) uses every user at every step (ñ = n, Thm 4's choice), T = 300 steps of
+``min(5, 1/(0.05(t+1)))`` from θ = 0, projection onto Θ_B, the average of the last half of the iterates, and has a
+"no noise" control: the same steps with ε = ∞ (no noise, exact counts, no AboveThreshold). The control shows that the
+schedule converges (≈ the MLE), so each private column's gap to its control is what privacy costs. Paired seeds: the
+same θ*, data and noise streams for every column of a cell.
 
-    python -m benchmarks.user_level_theory            # 20 seeds, about 11 min on 2 CPU cores
-    python -m benchmarks.user_level_theory --quick    # m sweep only, 5 seeds, about 2 min
+Part B — the paper's Table 1/2 analogue: the per-coordinate noise std on the averaged gradient, user-wise DP-SGD
+``σ·C/ñ`` against AUP-RLHF ``τ·σ'·√(8 log(e^ε T/δ))/ñ``, in the TL;DR setting (≈ 90k pairs, ñ·m = 500 pairs per step,
+5 epochs), with C = 1 and τ = C/√m; the chance that AboveThreshold lets all T steps through in the best case (every
+sampled user within τ of every other, the Laplace noise of the threshold and of each query included;
+``aup.survival_probability``), and the users per step AUP needs for that at n = 2000, T = 500, ε = 3.
+
+    python -m benchmarks.user_level_theory            # 10 seeds, the full grid; about 25 min on 2 CPU cores
+    python -m benchmarks.user_level_theory --quick    # m = 10 only, ε ∈ {1, 3, 8}, 3 seeds
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from typing import Dict, List, Optional, Sequence
@@ -35,66 +47,130 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.common import RESULTS_DIR, fmt, mean_ci, plot_with_intervals, print_table, write_results
+from benchmarks.common import RESULTS_DIR, fmt, mean_ci, plot_panels, print_table, write_results
 from trl_userdp.accountants.events import PoissonGaussian
 from trl_userdp.experiments.linear import (
+    BTLData,
     aup_rlhf,
     generate_btl_data,
     group_dpsgd,
     mle,
     sample_theta_star,
+    theorem4_tau,
     user_dpsgd,
+    user_dpsgd_adaptive,
     user_gradients,
     user_objective_perturbation,
     user_rr_mle,
 )
 from trl_userdp.mechanisms import aup
-from trl_userdp.validators import check_steps
 from trl_userdp.mechanisms.aup import pairwise_distances
+from trl_userdp.validators import check_steps
 
-ESTIMATORS = ("non-private MLE", "user RR + de-biased MLE", "group DP-SGD", "user-wise DP-SGD", "AUP (Thm 4 τ, η)",
-              "AUP (public τ)", "objective perturbation")
-D, DELTA, STEPS, LR, C = 5, 1e-5, 100, 0.5, 1.0
+D, DELTA, B, C = 5, 1e-5, 1.0, 1.0
+STEPS, LR0, MU = 300, 5.0, 0.05
 #: every ε here is under the papers' neighbouring relation, "replace one user's labels" (docs/privacy_model.md): user RR
-#: and objective perturbation are ε-DP under it as defined; the DP-SGD family is calibrated to it by
-#: dp-accounting's PLD (add/remove-calibrated σ would give them about 2ε under replacement)
+#: and objective perturbation are ε-DP under it as defined; the DP-SGD family and AUP's Gaussian half are calibrated to
+#: it by dp-accounting's PLD (add/remove-calibrated σ would give them about 2ε under replacement)
 RELATION = "replace"
+PRIVATE = ("user RR + de-biased MLE", "fixed C=1", "oracle clip", "adaptive", "group", "AUP (public τ)",
+           "objective perturbation")
+CONTROLS = ("fixed C=1, no noise", "adaptive, no noise", "group, no noise", "AUP, no noise")
+COLUMNS = ("non-private MLE", "user RR + de-biased MLE", "fixed C=1, no noise", "fixed C=1", "oracle clip",
+           "adaptive, no noise", "adaptive", "group, no noise", "group", "AUP, no noise", "AUP (public τ)",
+           "objective perturbation")
+
+
+def schedule(t: int) -> float:
+    """``min(lr0, 1/(μ(t+1)))``: the logistic loss here is about μ-strongly convex, so SGD converges."""
+    return min(LR0, 1.0 / (MU * (t + 1)))
+
+
+def regroup(pool: BTLData, m: int) -> BTLData:
+    """The same comparisons as ``pool``, ``m`` per user (the cells of one seed are nested: only the grouping differs)."""
+    if len(pool.y) % m:
+        raise ValueError(f"n·m = {len(pool.y)} is not a multiple of m = {m}.")
+    return dataclasses.replace(pool, users=np.repeat(np.arange(len(pool.y) // m), m))
 
 
 def public_tau(theta_star: np.ndarray, m: int, seed: int, coverage: float = 0.9) -> float:
+    """τ proposed from 200 public users (the role of ``propose_concentration_radius``)."""
     pub = generate_btl_data(n_users=200, samples_per_user=m, d=D, theta_star=theta_star, seed=seed)
     g = user_gradients(np.zeros(D), pub.x.reshape(200, m, D), pub.y.reshape(200, m))
     dist = pairwise_distances([torch.from_numpy(g)]).numpy()
     return float(np.quantile(dist[~np.eye(200, dtype=bool)], coverage))
 
 
-def one_cell(n: int, m: int, eps: float, seed: int) -> Dict[str, float]:
-    rng = np.random.default_rng([seed, n, m, int(eps * 100)])
+def infeasible_as_nan(run) -> float:
+    """``run()``, or NaN where no noise multiplier up to 10⁴ reaches the target ε (group privacy at ε = 0.5 and
+    m = 50 asks each record for ε/m = 0.01): the table prints "—" there."""
+    try:
+        return run()
+    except ValueError as err:
+        if "needs a noise multiplier above" not in str(err):
+            raise
+        return math.nan
+
+
+def one_seed(seed: int, total: int, ms: Sequence[int], epsilons: Sequence[float], quantile: float,
+             aup_max_users: int) -> Dict[int, Dict[str, Dict[str, float]]]:
+    """Every cell (m, ε) of one seed, on one pool of ``total`` comparisons."""
+    rng = np.random.default_rng(seed)
     theta_star = sample_theta_star(D, 1.0, rng)
-    data = generate_btl_data(n_users=n, samples_per_user=m, d=D, theta_star=theta_star, seed=int(rng.integers(2**31)))
-    err = lambda th: float(np.linalg.norm(th - theta_star))  # noqa: E731
-    sgd = dict(users_per_batch=float(n), steps=STEPS, rng=rng, B=1.0, relation=RELATION)
-    aup_thm = aup_rlhf(data, eps, DELTA, **sgd)
-    aup_pub = aup_rlhf(data, eps, DELTA, tau=public_tau(theta_star, m, seed + 7), lr=LR, **sgd)
-    return {
-        "non-private MLE": err(mle(data.x, data.y, B=1.0)),
-        "user RR + de-biased MLE": err(user_rr_mle(data, eps, rng=rng, B=1.0)),
-        "group DP-SGD": err(group_dpsgd(data, eps, DELTA, lr=LR, max_grad_norm=C, **sgd).theta),
-        "user-wise DP-SGD": err(user_dpsgd(data, eps, DELTA, lr=LR, max_grad_norm=C, **sgd).theta),
-        "AUP (Thm 4 τ, η)": err(aup_thm.theta),
-        "AUP (public τ)": err(aup_pub.theta),
-        "objective perturbation": err(user_objective_perturbation(data, eps, DELTA, rng=rng, B=1.0)),
-        "aup_thm_steps": aup_thm.steps_taken,
-        "aup_pub_steps": aup_pub.steps_taken,
-    }
-
-
-def sweep(cells, seeds: int) -> Dict[str, Dict]:
+    pool = generate_btl_data(n_users=total, samples_per_user=1, d=D, theta_star=theta_star,
+                             seed=int(rng.integers(2**31)))
+    err = lambda theta: float(np.linalg.norm(theta - theta_star))  # noqa: E731
+    mle_err = err(mle(pool.x, pool.y, B=B))  # the same comparisons in every cell
     out = {}
-    for n, m, eps in tqdm(cells, desc="cells"):
-        runs = [one_cell(n, m, eps, s) for s in range(seeds)]
-        out[f"{n}|{m}|{eps}"] = {k: mean_ci([r[k] for r in runs]) for k in runs[0]}
+    for m in ms:
+        data, n = regroup(pool, m), total // m
+        stream = lambda eps: np.random.default_rng([seed, m, int(eps * 100)])  # noqa: E731 - paired across columns
+        sgd = dict(users_per_batch=float(n), steps=STEPS, lr=schedule, B=B, relation=RELATION, tail_average=True)
+        adaptive = dict(initial_clip=1.0, target_quantile=quantile, clip_learning_rate=0.2)
+        oracle = float(np.median(np.linalg.norm(
+            user_gradients(theta_star, data.x.reshape(n, m, D), data.y.reshape(n, m)), axis=1)))
+        with_aup = n <= aup_max_users
+        tau = public_tau(theta_star, m, seed + 7) if with_aup else math.nan
+        base = {"non-private MLE": mle_err, "oracle_clip_value": oracle, "public_tau": tau,
+                "fixed C=1, no noise": err(user_dpsgd(data, None, DELTA, max_grad_norm=C, rng=stream(0), **sgd).theta),
+                "adaptive, no noise": err(user_dpsgd_adaptive(data, None, DELTA, rng=stream(0), **adaptive,
+                                                              **sgd).theta),
+                "group, no noise": err(group_dpsgd(data, None, DELTA, max_grad_norm=C, rng=stream(0), **sgd).theta),
+                "AUP, no noise": err(aup_rlhf(data, None, DELTA, tau=tau, rng=stream(0), **sgd).theta)
+                if with_aup else math.nan}
+        out[m] = {}
+        for eps in epsilons:
+            aup_run = aup_rlhf(data, eps, DELTA, tau=tau, rng=stream(eps), **sgd) if with_aup else None
+            out[m][str(eps)] = {
+                **base,
+                "user RR + de-biased MLE": err(user_rr_mle(data, eps, rng=stream(eps), B=B)),
+                "fixed C=1": err(user_dpsgd(data, eps, DELTA, max_grad_norm=C, rng=stream(eps), **sgd).theta),
+                "oracle clip": err(user_dpsgd(data, eps, DELTA, max_grad_norm=oracle, rng=stream(eps), **sgd).theta),
+                "adaptive": err(user_dpsgd_adaptive(data, eps, DELTA, rng=stream(eps), **adaptive, **sgd).theta),
+                "group": infeasible_as_nan(lambda: err(group_dpsgd(data, eps, DELTA, max_grad_norm=C,
+                                                                   rng=stream(eps), **sgd).theta)),
+                "AUP (public τ)": err(aup_run.theta) if with_aup else math.nan,
+                "AUP steps": aup_run.steps_taken if with_aup else math.nan,
+                "objective perturbation": err(user_objective_perturbation(data, eps, DELTA, rng=stream(eps), B=B)),
+            }
     return out
+
+
+def grid(args) -> Dict[str, Dict[str, Dict]]:
+    """``results[m][ε]``: each column's mean ± 95% interval over seeds, and its per-seed ratio to the MLE's error."""
+    runs = [one_seed(s, args.total, args.ms, args.epsilons, args.quantile, args.aup_max_users)
+            for s in tqdm(range(args.seeds), desc="seeds")]
+    results: Dict[str, Dict[str, Dict]] = {}
+    for m in args.ms:
+        results[str(m)] = {}
+        for eps in map(str, args.epsilons):
+            cells = [r[m][eps] for r in runs]
+            mle_err = np.array([c["non-private MLE"] for c in cells])
+            cell = {k: mean_ci([c[k] for c in cells]) for k in cells[0]}
+            cell["n"] = args.total // m
+            cell["ratio_to_mle"] = {k: mean_ci(np.array([c[k] for c in cells]) / mle_err) for k in COLUMNS}
+            results[str(m)][eps] = cell
+    return results
 
 
 def noise_table(ms: Sequence[int], epsilons: Sequence[float], total_pairs: int = 90_000, pairs_per_step: int = 500,
@@ -108,16 +184,13 @@ def noise_table(ms: Sequence[int], epsilons: Sequence[float], total_pairs: int =
             n_max = aup.default_max_users_per_batch(n_tilde)
             sigma_user = PoissonGaussian().calibrate(eps, DELTA, sample_rate=q, steps=steps, accountant="pld",
                                                      relation=RELATION, tol=1e-3)
-            _, eps_gauss, delta_gauss = aup.split_budget(eps, DELTA, svt_fraction=0.5)
+            eps_svt, eps_gauss, delta_gauss = aup.split_budget(eps, DELTA, svt_fraction=0.5)
             sigma_aup = aup.gaussian_noise_multiplier(eps_gauss, delta_gauss, sample_rate=q, steps=steps, n_users=n,
                                                       max_users_per_batch=n_max, relation=RELATION, tol=1e-3)
-            tau = C / math.sqrt(m)
-            eps_svt = aup.split_budget(eps, DELTA, svt_fraction=0.5)[0]
             rows.append({
                 "epsilon": eps, "m": m, "n": n, "users_per_step": n_tilde, "steps": steps,
                 "user_wise": sigma_user * C / n_tilde,
-                "aup": aup.noise_std(tau, sigma_aup, eps, steps, DELTA, n_tilde),
-                # best case (every user concentrated), with AboveThreshold's Laplace noise on the threshold and queries
+                "aup": aup.noise_std(C / math.sqrt(m), sigma_aup, eps, steps, DELTA, n_tilde),
                 "aup_survives_T": aup.survival_probability(n_tilde, n_max, eps_svt, steps),
             })
     return rows
@@ -134,37 +207,43 @@ def regime_table(n: int = 2000, steps: int = 500, epsilon: float = 3.0,
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=20)
-    p.add_argument("--n", type=int, default=500)
-    p.add_argument("--m", type=int, default=10)
-    p.add_argument("--epsilon", type=float, default=3.0)
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--total", type=int, default=20000, help="n·m, the comparisons of every cell")
     p.add_argument("--ms", type=int, nargs="+", default=[1, 5, 10, 20, 50])
-    p.add_argument("--ns", type=int, nargs="+", default=[200, 500, 1000, 2000])
-    p.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 3.0, 8.0])
+    p.add_argument("--headline-m", type=int, default=10, help="the fixed-n row (n = total/m)")
+    p.add_argument("--epsilons", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0, 5.0, 8.0])
+    p.add_argument("--quantile", type=float, default=0.5, help="the adaptive clip's target quantile")
+    p.add_argument("--aup-max-users", type=int, default=2000, help="run AUP-RLHF only where n is at most this")
     p.add_argument("--table_ms", type=int, nargs="+", default=[5, 10, 20, 50])
-    p.add_argument("--quick", action="store_true", help="m sweep only, 5 seeds, noise table at ε = 3")
+    p.add_argument("--table_epsilons", type=float, nargs="+", default=[1.0, 3.0, 8.0])
+    p.add_argument("--quick", action="store_true", help="m = 10 only, ε ∈ {1, 3, 8}, 3 seeds")
     p.add_argument("--out", default=RESULTS_DIR)
     p.add_argument("--name", default="user_level_theory")
     args = p.parse_args(argv)
-    seeds = 5 if args.quick else args.seeds
-    sweeps = {"m": [(args.n, m, args.epsilon) for m in args.ms]}
-    if not args.quick:
-        sweeps["n"] = [(n, args.m, args.epsilon) for n in args.ns]
-        sweeps["epsilon"] = [(args.n, args.m, e) for e in args.epsilons]
-    results, tables = {}, []
-    for name, cells in sweeps.items():
-        res = sweep(cells, seeds)
-        results[name] = res
-        print(f"\nSweep over {name}: ℓ2 error ‖θ̂ − θ*‖, mean ± 95% CI over {seeds} seeds "
-              f"(δ = {DELTA}, every ε under the {RELATION!r} relation)")
-        rows = []
-        for n, m, eps in cells:
-            cell = res[f"{n}|{m}|{eps}"]
-            rows.append([n, m, eps] + [fmt(cell[e]) for e in ESTIMATORS]
-                        + [f"{cell['aup_thm_steps']['mean']:.0f}/{cell['aup_pub_steps']['mean']:.0f}"])
-        tables.append(print_table(["n", "m", "ε", *ESTIMATORS, "AUP steps (Thm4/pub)"], rows))
-    table_eps = [3.0] if args.quick else args.epsilons
-    noise = noise_table(args.table_ms, table_eps)
+    if args.quick:
+        args.seeds, args.ms, args.epsilons, args.table_epsilons = 3, [args.headline_m], [1.0, 3.0, 8.0], [3.0]
+    if args.headline_m not in args.ms:
+        args.headline_m = args.ms[0]
+    results = grid(args)
+    head = results[str(args.headline_m)]
+    n_head = args.total // args.headline_m
+    tables = []
+    print(f"\nℓ2 error of θ̂ (mean ± 95% half-width over {args.seeds} paired seeds), n = {n_head} users, "
+          f"m = {args.headline_m}, δ = {DELTA}, relation {RELATION!r}, T = {STEPS}, step min({LR0}, 1/({MU}(t+1))), "
+          "tail average; AUP steps: mean steps run before halting")
+    tables.append(print_table(["ε", *COLUMNS, "AUP steps"],
+                              [[e, *(fmt(c[k], 4) for k in COLUMNS), fmt(c["AUP steps"], 0)] for e, c in head.items()]))
+    print(f"\nRatio to the non-private MLE's error (per seed, then mean ± 95% half-width), fixed n·m = {args.total} "
+          "comparisons regrouped into n = n·m/m users (the same comparisons in every row of a seed)")
+    tables.append(print_table(
+        ["m", "n", "ε", *COLUMNS[1:], "AUP steps"],
+        [[m, results[m][e]["n"], e, *(fmt(results[m][e]["ratio_to_mle"][k], 2) for k in COLUMNS[1:]),
+          fmt(results[m][e]["AUP steps"], 0)] for m in results for e in results[m]]))
+    thm4 = theorem4_tau(1.0, n_head, D, args.headline_m, 3.0, STEPS, DELTA)
+    print(f"\nAUP-RLHF with Thm 4's τ instead: τ = {thm4:.1f} at n = {n_head}, m = {args.headline_m}, ε = 3, T = {STEPS}, "
+          "while per-user gradients have norm ≤ 2L = 2 (distances ≤ 4): nothing is ever removed and its noise scales "
+          "with τ, so the benchmark uses the public τ (column 'public_tau' in the JSON)")
+    noise = noise_table(args.table_ms, args.table_epsilons)
     print("\nPer-coordinate noise std on the averaged gradient, TL;DR setting (90k pairs, ñ·m = 500, 5 epochs), "
           f"C = 1, τ = C/√m, σ under the {RELATION!r} relation")
     tables.append(print_table(
@@ -175,20 +254,33 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     regime = regime_table()
     print("\nP(AUP-RLHF runs T = 500 steps without halting) against users per step ñ, n = 2000, ε = 3 (ε_svt = 1.5), "
           "best case (every pair of users within τ), AboveThreshold's noise included")
-    tables.append(print_table(["ñ", "P(survives T steps)"], [[r["users_per_step"], f"{r['survives']:.3g}"] for r in regime]))
-    settings = {"d": D, "delta": DELTA, "steps": STEPS, "lr": LR, "C": C, "neighboring_relation": RELATION}
-    path = write_results(args.name, {"seeds": seeds, "settings": settings, "results": results, "noise_table": noise,
-                                     "regime_table": regime, "tables": tables}, args.out)
-    plot(results["m"], sweeps["m"], os.path.splitext(path)[0] + ".png")
+    tables.append(print_table(["ñ", "P(survives T steps)"],
+                              [[r["users_per_step"], f"{r['survives']:.3g}"] for r in regime]))
+    settings = {"d": D, "delta": DELTA, "relation": RELATION, "steps": STEPS, "lr0": LR0, "mu": MU, "B": B,
+                "fixed_clip": C, "group_record_clip": C, "quantile": args.quantile, "initial_clip": 1.0,
+                "clip_learning_rate": 0.2, "total_comparisons": args.total, "headline_m": args.headline_m,
+                "aup_max_users": args.aup_max_users, "theorem4_tau_headline_eps3": thm4}
+    path = write_results(args.name, {"seeds": args.seeds, "settings": settings, "results": results,
+                                     "noise_table": noise, "regime_table": regime, "tables": tables}, args.out)
+    plot(results, os.path.splitext(path)[0] + ".png", args)
     print(f"results: {path}")
-    return {"results": results, "noise_table": noise}
+    return {"results": results, "noise_table": noise, "regime_table": regime}
 
 
-def plot(res: Dict, cells, path: str) -> None:
-    n, _, eps = cells[0]
-    plot_with_intervals(path, [m for _, m, _ in cells],
-                        {name: [res[f"{n_}|{m}|{e}"][name] for n_, m, e in cells] for name in ESTIMATORS},
-                        xlabel="m (comparisons per user)", ylabel="‖θ̂ − θ*‖₂", title=f"n = {n} users, ε = {eps}, δ = {DELTA}")
+def plot(results: Dict, path: str, args) -> None:
+    """One privacy–utility panel per m (fixed n·m; the headline m is the fixed-n curve), and the grid at ε = 3 over m."""
+    shown = ("non-private MLE", *PRIVATE)
+
+    def series(cells: List[Dict]) -> Dict[str, List[Dict]]:  # AUP is left out where it did not run (n too large)
+        return {k: [c[k] for c in cells] for k in shown if not all(math.isnan(c[k]["mean"]) for c in cells)}
+
+    panels = [(f"n = {next(iter(cells.values()))['n']} users × m = {m}", [float(e) for e in cells],
+               series(list(cells.values())), "ε (user level, replace one user; δ = 1e-5)")
+              for m, cells in results.items()]
+    if len(results) > 1 and all("3.0" in cells for cells in results.values()):
+        panels.append((f"fixed n·m = {args.total}, ε = 3", [float(m) for m in results],
+                       series([cells["3.0"] for cells in results.values()]), "m comparisons per user (n = n·m / m)"))
+    plot_panels(path, panels, ylabel="‖θ̂ − θ*‖₂ (mean, 95% interval)", dashed=["non-private MLE"])
 
 
 if __name__ == "__main__":

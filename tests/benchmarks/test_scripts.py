@@ -24,27 +24,22 @@ def test_corruption_separation_reports_the_bias_ratio(tmp_path):
     assert os.path.exists(tmp_path / "corruption_separation.json")
 
 
-def test_user_level_theory_runs_a_tiny_sweep(tmp_path):
+def test_user_level_theory_runs_a_tiny_grid_on_nested_data(tmp_path):
     from benchmarks import user_level_theory
 
-    out = user_level_theory.main(["--quick", "--seeds", "2", "--ms", "2", "--n", "60", "--table_ms", "5", "--out", str(tmp_path)])
-    cell = out["results"]["m"]["60|2|3.0"]
-    assert set(user_level_theory.ESTIMATORS) <= set(cell)
+    out = user_level_theory.main(["--seeds", "2", "--total", "120", "--ms", "4", "12", "--headline-m", "4",
+                                  "--epsilons", "3", "--aup-max-users", "20", "--table_ms", "5",
+                                  "--table_epsilons", "3", "--out", str(tmp_path)])
+    by_m = out["results"]
+    assert set(by_m) == {"4", "12"} and by_m["4"]["3.0"]["n"] == 30 and by_m["12"]["3.0"]["n"] == 10
+    # nested: the same comparisons in every cell of a seed, so the MLE's error is the same across m
+    assert by_m["4"]["3.0"]["non-private MLE"] == by_m["12"]["3.0"]["non-private MLE"]
+    assert set(user_level_theory.COLUMNS) <= set(by_m["12"]["3.0"])
+    assert math.isnan(by_m["4"]["3.0"]["AUP (public τ)"]["mean"])  # n = 30 > 20: AUP left out, not faked
+    assert math.isfinite(by_m["12"]["3.0"]["AUP, no noise"]["mean"])
     row = out["noise_table"][0]
     assert row["user_wise"] > 0 and row["aup"] > 0 and 0 <= row["aup_survives_T"] <= 1
-    assert os.path.exists(tmp_path / "user_level_theory.png")
-
-
-def test_adaptive_clipping_benchmark_runs_a_tiny_sweep(tmp_path):
-    from benchmarks import adaptive_clipping
-
-    out = adaptive_clipping.main(["--seeds", "2", "--n", "200", "--m", "4", "--epsilons", "3", "--total", "400",
-                                  "--nm-ms", "2", "4", "--out", str(tmp_path)])
-    assert set(out["fixed_nm"]) == {"2", "4"} and out["fixed_nm"]["4"]["n"] == 100
-    assert os.path.exists(tmp_path / "adaptive_clipping_fixed_nm.png")
-    cell = out["results"]["3.0"]
-    assert set(adaptive_clipping.COLUMNS) <= set(cell) and cell["ratio_to_mle"]["fixed C=1, no noise"]["n"] == 2
-    assert os.path.exists(tmp_path / "adaptive_clipping.json") and os.path.exists(tmp_path / "adaptive_clipping.png")
+    assert os.path.exists(tmp_path / "user_level_theory.png") and os.path.exists(tmp_path / "user_level_theory.json")
 
 
 def test_step_cost_benchmark_runs_a_tiny_setting(tmp_path):

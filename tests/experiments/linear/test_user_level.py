@@ -70,3 +70,18 @@ def test_aup_phases_split_users_disjointly():
     assert out.steps_taken == 20
     with pytest.raises(ValueError, match="phase_users"):
         aup_rlhf(data, 8.0, 1e-5, users_per_batch=10, steps=1, rng=rng, B=1.0, phase_users="half")
+
+
+def test_aup_control_is_the_same_steps_without_noise_or_halting():
+    """AUP with ``epsilon=None`` is its control: with a τ nobody exceeds it keeps every user, so with every user at
+    every step it is full-batch gradient descent, the same iterates as user-wise DP-SGD's control with a clip no one
+    reaches; without τ and lr (Thm 4's depend on ε) it refuses."""
+    data = generate_btl_data(n_users=50, samples_per_user=4, d=3, seed=4)
+    schedule = lambda t: min(2.0, 1 / (0.1 * (t + 1)))  # noqa: E731
+    common = dict(users_per_batch=50.0, steps=40, lr=schedule, B=1.0, tail_average=True)
+    aup = aup_rlhf(data, None, 1e-5, tau=100.0, rng=np.random.default_rng(0), **common)
+    sgd = user_dpsgd(data, None, 1e-5, max_grad_norm=100.0, rng=np.random.default_rng(1), **common)
+    assert not aup.halted and aup.steps_taken == 40
+    np.testing.assert_allclose(aup.theta, sgd.theta, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="needs tau and lr"):
+        aup_rlhf(data, None, 1e-5, users_per_batch=50.0, steps=1, rng=np.random.default_rng(0), B=1.0, lr=0.5)

@@ -184,9 +184,11 @@ def theorem4_lr(L: float, B: float, n: int, d: int, m: int, epsilon: float, step
 
 
 def aup_rlhf(
-    data: BTLData, epsilon: float, delta: float, *, users_per_batch: float, steps: int, rng: np.random.Generator,
-    B: float, tau: Optional[float] = None, lr: Optional[float] = None, max_users_per_batch: Optional[int] = None,
+    data: BTLData, epsilon: Optional[float], delta: float, *, users_per_batch: float, steps: int,
+    rng: np.random.Generator, B: float, tau: Optional[float] = None,
+    lr: Union[None, float, Callable[[int], float]] = None, max_users_per_batch: Optional[int] = None,
     svt_fraction: float = 0.5, phases: int = 1, phase_users: str = "all", relation: str = "add_or_remove",
+    tail_average: bool = False,
 ) -> SGDResult:
     """AUP-RLHF (Alg. 1 with k = ``phases`` over disjoint user sets; Alg. 2 in each), with the same
     mechanism as :class:`~trl_userdp.optimizers.AUPOptimizer` (the sensitivity correction of docs/mechanisms.md, M4,
@@ -195,7 +197,11 @@ def aup_rlhf(
     n/2^{k+1−i} users, half of them unused at k = 1; ``"all"``: rescaled to use every user); here the
     phases are exact-size slices of a random permutation. The users of each phase are disjoint, so
     the run is (ε, δ) by parallel composition; each phase starts from the last. ``relation`` is the
-    Gaussian half's neighbouring relation (AboveThreshold's sensitivity covers both)."""
+    Gaussian half's neighbouring relation (AboveThreshold's sensitivity covers both). ``lr``: a constant or a
+    schedule (:func:`step_size`); ``tail_average`` as :func:`user_dpsgd`; ``epsilon=None``: the control, the same
+    steps and outlier removal without AboveThreshold and without noise (``tau`` and ``lr`` must then be given)."""
+    if epsilon is None and (tau is None or lr is None):
+        raise ValueError("aup_rlhf without privacy (epsilon=None) needs tau and lr: Thm 4's choices depend on ε.")
     x_all, y_all, m = _by_user(data)
     n_all, d = len(x_all), x_all.shape[-1]
     weights = phase_shares(phases, phase_users)
@@ -208,7 +214,7 @@ def aup_rlhf(
         result = _aup_phase(
             theta, x_all[users], y_all[users], epsilon, delta, users_per_batch=min(users_per_batch, len(users)),
             steps=steps, rng=rng, B=B, L=data.L, m=m, tau=tau, lr=lr, max_users_per_batch=max_users_per_batch,
-            svt_fraction=svt_fraction, relation=relation,
+            svt_fraction=svt_fraction, relation=relation, tail_average=tail_average,
         )
         theta, total_steps = result.theta, total_steps + result.steps_taken
         if result.halted:
@@ -217,17 +223,19 @@ def aup_rlhf(
 
 
 def _aup_phase(theta, x, y, epsilon, delta, *, users_per_batch, steps, rng, B, L, m, tau, lr, max_users_per_batch,
-               svt_fraction, relation) -> SGDResult:
+               svt_fraction, relation, tail_average) -> SGDResult:
     n, d = len(x), x.shape[-1]
     tau = theorem4_tau(L, n, d, m, epsilon, steps, delta) if tau is None else tau
     lr = theorem4_lr(L, B, n, d, m, epsilon, steps, delta) if lr is None else lr
     n_tilde = users_per_batch
     n_max = min(max_users_per_batch or aup.default_max_users_per_batch(n_tilde), n)
     q = n_tilde / n
-    eps_svt, eps_gauss, delta_gauss = aup.split_budget(epsilon, delta, svt_fraction)
-    sigma = _sigma_truncated(eps_gauss, delta_gauss, q, steps, n, n_max, relation)
-    noise_std = aup.noise_std(tau, sigma, epsilon, steps, delta, n_tilde)
-    svt = aup.score_test(n_tilde, n_max, eps_svt, torch.Generator().manual_seed(int(rng.integers(2**62))))
+    svt, noise_std = None, 0.0
+    if epsilon is not None:
+        eps_svt, eps_gauss, delta_gauss = aup.split_budget(epsilon, delta, svt_fraction)
+        sigma = _sigma_truncated(eps_gauss, delta_gauss, q, steps, n, n_max, relation)
+        noise_std = aup.noise_std(tau, sigma, epsilon, steps, delta, n_tilde)
+        svt = aup.score_test(n_tilde, n_max, eps_svt, torch.Generator().manual_seed(int(rng.integers(2**62))))
     iterates = []
     for t in range(steps):
         users = np.flatnonzero(rng.random(n) < q)
@@ -235,11 +243,10 @@ def _aup_phase(theta, x, y, epsilon, delta, *, users_per_batch, steps, rng, B, L
             users = np.sort(rng.choice(users, n_max, replace=False))
         g = user_gradients(theta, x[users], y[users])
         dist = pairwise_distances([torch.from_numpy(g)])
-        if not svt.query(float((dist <= tau).sum()) / n_tilde):
-            return SGDResult(_average(iterates) if iterates else theta, t, halted=True)
+        if svt is not None and not svt.query(float((dist <= tau).sum()) / n_tilde):
+            return SGDResult(_average(iterates, tail_average) if iterates else theta, t, halted=True)
         keep = rng.random(len(users)) < keep_probabilities(dist, tau, n_tilde).numpy()
         mean = g[keep].mean(0) if keep.any() else np.zeros(d)
-        theta = project_theta(theta - lr * (mean + rng.normal(0, noise_std, d)), B)
+        theta = project_theta(theta - step_size(lr, t) * (mean + rng.normal(0, noise_std, d)), B)
         iterates.append(theta)
-    return SGDResult(_average(iterates), steps)
-
+    return SGDResult(_average(iterates, tail_average), steps)
