@@ -1,6 +1,7 @@
 """The main job's pipeline end to end in a tiny setting (the real run is ./scripts/main)."""
 
 import json
+import math
 import os
 
 import numpy as np
@@ -11,24 +12,33 @@ from trl_userdp.experiments.pipeline import PipelineArguments, run_pipeline
 def test_pipeline_runs_every_stage_and_writes_results(tmp_path, capsys):
     args = PipelineArguments(n_users=20, max_samples_per_user=4, users_per_batch=5, epsilons=[8.0],
                              mechanisms=["none", "randomized_response", "user_dpsgd"], sft_steps=4, rl_steps=2,
-                             eval_every=1, eval_prompts=6, eval_pairs=20, output_dir=str(tmp_path))
+                             eval_every=1, eval_prompts=6, eval_samples=2, eval_pairs=20, rl_completions_per_step=4,
+                             num_generations=2, completion_tokens=8, output_dir=str(tmp_path))
     payload = run_pipeline(args)
     assert [r["mechanism"] for r in payload["results"]] == ["none", "randomized_response", "user_dpsgd"]
     for r in payload["results"]:
-        assert len(r["curve"]) == 3 and r["curve"][0]["step"] == 0  # start, step 1, step 2
+        assert [p["step"] for p in r["curve"]] == [0, 1, 2]  # start, step 1, step 2
+        numbers = [r["gold_reward"], r["gold_reward_se"], r["kl"], r["ended"], r["reward_model_pair_accuracy"],
+                   *r["gain_over_sft"].values(), *(v for p in r["curve"] for v in p.values())]
+        assert all(math.isfinite(v) for v in numbers) and 0 <= r["ended"] <= 1
+        assert r["curve"][0]["gold_reward"] == payload["sft_policy"]["gold_reward"]  # one SFT evaluation, paired
     baseline = payload["results"][0]["privacy_report"]  # its reward head saw the users without privacy: not public
     assert baseline["epsilon"] == "inf" and baseline["extra"]["reward_model_reports"][0]["mechanism"] == "none"
     assert payload["results"][0]["epsilon_spent"] is None  # the table's "∞ (none)"
     private = payload["results"][2]
     assert 0 < private["epsilon_spent"] <= 8.0
     assert private["privacy_report"]["extra"]["reward_model_reports"][0]["neighboring_relation"] == "replace"
-    assert payload["results"][0]["reward_model_vs_none_p"] is None
-    assert all(0 <= r["reward_model_vs_none_p"] <= 1 for r in payload["results"][1:])
+    assert payload["results"][0]["reward_model_vs_none_p"] is None and "vs_none" not in payload["results"][0]
+    for r in payload["results"][1:]:
+        assert 0 <= r["reward_model_vs_none_p"] <= 1 and 0 <= r["vs_none"]["p"] <= 1
+        assert r["share_of_gain"] is None or math.isfinite(r["share_of_gain"])
     assert private["privacy_report"]["mechanism"] == "post-processing"
-    assert "gold reward (95% CI)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "gain over SFT" in out and "p vs none" in out and "ended: share of completions" in out
     saved = json.load(open(tmp_path / "pipeline_results.json"))
     assert saved["data_card"]["users"].startswith("20 private users")
-    assert os.path.exists(tmp_path / "reward_vs_kl.png")
+    assert set(saved["minutes"]) == {"data and gold reward", "reward models", "SFT policy", "online RL", "total"}
+    assert os.path.exists(tmp_path / "privacy_utility.png")
 
 
 def test_a_gold_reward_cached_by_another_version_is_refitted(tmp_path, monkeypatch, caplog):

@@ -7,14 +7,18 @@ IMDb data, on a CPU.
    with a personal rate ρ_u ~ Uniform(0, ``max_noise``). Disjoint reviews give the public users (for
    AUP's τ), held-out pairs, and the RL prompts (their first 2–8 words, as in Rafailov et al.).
 2. **SFT** — a small causal LM (a Llama built from a config, with a BPE tokenizer trained on the
-   snippets) fitted on IMDb text with TRL's ``SFTTrainer``.
+   snippets) fitted with TRL's ``SFTTrainer`` on the snippets' first ``sft_words`` words, each ended with EOS, so
+   that its completions end by themselves.
 3. **Reward models** — the pretrained MiniLM-L6 (frozen) with a linear head trained on the users'
    pairs, once per privacy mechanism and ε (:mod:`.embedding_reward`).
 4. **Online RL** — GRPO (TRL's online trainer; the paper's PPO is gone from TRL ≥ 1.13) with a KL
    penalty against the SFT model, through :class:`~trl_userdp.trainers.UserDPGRPOTrainer`, so every
    policy carries its reward model's privacy report.
-5. **Evaluation** — gold reward and KL(π ‖ π_SFT) of sampled completions on held-out prompts, every
-   ``eval_every`` steps: a reward-vs-KL curve per mechanism, and a table of the final point.
+5. **Evaluation** — gold reward, KL(π ‖ π_SFT) and the share of completions ending with EOS, from
+   ``eval_samples`` completions of each of ``eval_prompts`` held-out prompts, every ``eval_every`` steps: the same
+   prompts and sampling seed for every policy, so each policy's gain over the SFT policy, and its difference from the
+   non-private policy, are paired tests. A reward-vs-KL curve per mechanism and ε, gold reward against ε, and a table
+   of the final point.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class PipelineArguments:
     users_per_batch: float = dataclasses.field(default=40.0, metadata={"help": "Expected users per reward-model step."})
     reward_epochs: float = dataclasses.field(default=5.0, metadata={"help": "Reward-model epochs (1/q steps each)."})
     reward_lr: float = dataclasses.field(default=2.0, metadata={"help": "Reward-head learning rate (SGD)."})
-    epsilons: List[float] = dataclasses.field(default_factory=lambda: [3.0, 8.0], metadata={"help": "Target ε values."})
+    epsilons: List[float] = dataclasses.field(default_factory=lambda: [1.0, 3.0, 8.0],
+                                              metadata={"help": "Target ε values."})
     delta: float = dataclasses.field(default=1e-5, metadata={"help": "Target δ."})
     neighboring_relation: str = dataclasses.field(
         default="replace",
@@ -78,12 +83,22 @@ class PipelineArguments:
     policy_model: Optional[str] = dataclasses.field(
         default=None, metadata={"help": "A causal LM path or hub id to use instead of the small SFT'd Llama."})
     sft_steps: int = dataclasses.field(default=300, metadata={"help": "SFT steps of the small policy."})
-    rl_steps: int = dataclasses.field(default=40, metadata={"help": "GRPO steps per reward model."})
-    eval_every: int = dataclasses.field(default=10, metadata={"help": "Evaluate the policy every this many RL steps."})
-    eval_prompts: int = dataclasses.field(default=128, metadata={"help": "Held-out prompts for evaluation."})
+    sft_words: int = dataclasses.field(
+        default=12, metadata={"help": "Words per SFT text (each ends with EOS): shorter than completion_tokens, so "
+                                      "completions end by themselves."})
+    rl_steps: int = dataclasses.field(default=120, metadata={"help": "GRPO steps per reward model."})
+    rl_learning_rate: float = dataclasses.field(default=1.5e-3, metadata={"help": "GRPO learning rate."})
+    rl_completions_per_step: int = dataclasses.field(
+        default=16, metadata={"help": "GRPO completions per step (prompts × num_generations)."})
+    num_generations: int = dataclasses.field(default=4, metadata={"help": "GRPO completions per prompt (its group)."})
+    eval_every: int = dataclasses.field(default=60, metadata={"help": "Evaluate the policy every this many RL steps."})
+    eval_prompts: int = dataclasses.field(default=256, metadata={"help": "Held-out prompts for evaluation."})
+    eval_samples: int = dataclasses.field(
+        default=4, metadata={"help": "Completions per held-out prompt (the same prompts and sampling seed for every "
+                                     "policy: paired)."})
     eval_pairs: int = dataclasses.field(default=500, metadata={"help": "Held-out pairs for reward-model accuracy."})
-    kl_beta: float = dataclasses.field(default=0.05, metadata={"help": "GRPO's KL coefficient against the SFT model."})
-    completion_tokens: int = dataclasses.field(default=16, metadata={"help": "Tokens generated per completion."})
+    kl_beta: float = dataclasses.field(default=0.1, metadata={"help": "GRPO's KL coefficient against the SFT model."})
+    completion_tokens: int = dataclasses.field(default=24, metadata={"help": "Most tokens generated per completion."})
     output_dir: str = dataclasses.field(default="runs/pipeline", metadata={"help": "Where models, results and the plot go."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed of data, sampling and training."})
 
@@ -321,7 +336,9 @@ def build_sft_policy(data: SentimentData, args: PipelineArguments) -> str:
                        lr_scheduler_type="cosine", warmup_steps=20, max_length=48, report_to=[], use_cpu=True,
                        bf16=False, gradient_checkpointing=False, save_strategy="no", logging_steps=50, seed=args.seed,
                        disable_tqdm=False)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": data.pool}),
+    # the first sft_words words of each snippet, which TRL ends with EOS: the policy learns to stop
+    texts = [_snippet(text, args.sft_words) for text in data.pool]
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
                          processing_class=tokenizer)
     trainer.train()
     trainer.save_model(path)
@@ -330,33 +347,56 @@ def build_sft_policy(data: SentimentData, args: PipelineArguments) -> str:
 
 @torch.no_grad()
 def evaluate_policy(policy, reference, tokenizer, prompts: Sequence[str], gold, args: PipelineArguments,
-                    seed: int) -> Dict[str, float]:
-    """Gold reward and KL(π ‖ π_ref) of one sampled completion per prompt (Monte-Carlo, summed over tokens)."""
+                    seed: int) -> Dict[str, object]:
+    """Gold reward, KL(π ‖ π_ref) (Monte-Carlo, summed over tokens) and the share of completions that end with EOS,
+    from ``eval_samples`` sampled completions per prompt. ``per_prompt`` holds each prompt's mean gold reward: with the
+    same prompts and ``seed`` for every policy, two policies compare prompt by prompt (paired)."""
     torch.manual_seed(seed)
     policy.eval()
     tokenizer.padding_side = "left"
-    enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
-    out = policy.generate(**enc, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=args.completion_tokens,
-                          pad_token_id=tokenizer.pad_token_id)
-    completions = out[:, enc["input_ids"].shape[1]:]
-    texts = [p + c for p, c in zip(prompts, tokenizer.batch_decode(completions, skip_special_tokens=True))]
-    mask = (completions != tokenizer.pad_token_id).float()
-    attention = torch.cat([enc["attention_mask"], mask.long()], dim=1)
+    repeated = [p for p in prompts for _ in range(args.eval_samples)]
+    scores, kls, ended = [], [], []
+    for start in range(0, len(repeated), 256):
+        batch = repeated[start: start + 256]
+        enc = tokenizer(batch, return_tensors="pt", padding=True)
+        out = policy.generate(**enc, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=args.completion_tokens,
+                              pad_token_id=tokenizer.pad_token_id)
+        completions = out[:, enc["input_ids"].shape[1]:]
+        texts = [p + c for p, c in zip(batch, tokenizer.batch_decode(completions, skip_special_tokens=True))]
+        mask = (completions != tokenizer.pad_token_id).float()
+        attention = torch.cat([enc["attention_mask"], mask.long()], dim=1)
 
-    def logps(model):
-        logits = model(input_ids=out, attention_mask=attention).logits[:, enc["input_ids"].shape[1] - 1: -1]
-        return (logits.log_softmax(-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1) * mask).sum(1)
+        def logps(model):
+            logits = model(input_ids=out, attention_mask=attention).logits[:, enc["input_ids"].shape[1] - 1: -1]
+            return (logits.log_softmax(-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1) * mask).sum(1)
 
-    kl = (logps(policy) - logps(reference)).mean()
+        kls.append(logps(policy) - logps(reference))
+        ended.append((completions == tokenizer.eos_token_id).any(1))
+        scores.extend(gold(texts))
     policy.train()
-    scores = np.asarray(gold(texts))
-    return {"gold_reward": float(scores.mean()), "gold_reward_se": float(scores.std(ddof=1) / np.sqrt(len(scores))),
-            "kl": float(kl)}
+    per_prompt = np.asarray(scores).reshape(len(prompts), args.eval_samples).mean(1)
+    return {"gold_reward": float(per_prompt.mean()),
+            "gold_reward_se": float(per_prompt.std(ddof=1) / np.sqrt(len(per_prompt))),
+            "kl": float(torch.cat(kls).mean()), "ended": float(torch.cat(ended).float().mean()),
+            "per_prompt": per_prompt.tolist()}
+
+
+def paired(a: Sequence[float], b: Sequence[float]) -> Dict[str, float]:
+    """Mean of ``a − b`` over the same prompts, its 95% half-width and the two-sided paired t-test's p-value."""
+    from scipy import stats
+
+    d = np.asarray(a) - np.asarray(b)
+    half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
+    p = float(stats.ttest_rel(a, b).pvalue)
+    if not math.isfinite(p):  # every difference equal (e.g. the same completions): no test statistic
+        p = 1.0 if d.mean() == 0 else 0.0
+    return {"mean": float(d.mean()), "half_width": half, "p": p}
 
 
 def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, data: SentimentData,
-                 args: PipelineArguments) -> Dict[str, object]:
-    """GRPO against one reward model; returns the reward-vs-KL curve and the carried privacy report."""
+                 args: PipelineArguments, start: Dict[str, object]) -> Dict[str, object]:
+    """GRPO against one reward model from the SFT policy (evaluated once, ``start``); returns the reward-vs-KL curve,
+    the final evaluation (with its per-prompt rewards) and the carried privacy report."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
@@ -367,26 +407,31 @@ def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, da
     tokenizer = AutoTokenizer.from_pretrained(sft_path)
     reference = AutoModelForCausalLM.from_pretrained(sft_path).eval()
     reward_fn = EmbeddingRewardFunction(encoder, reward.head, reward.report, f"reward_{name}")
-    curve: List[Dict[str, float]] = []
+    points: List[Dict[str, object]] = [{"step": 0, **start}]
+
+    def evaluate(model, step: int) -> None:
+        points.append({"step": step, **evaluate_policy(model, reference, tokenizer, data.test_prompts, data.gold, args,
+                                                       args.seed + 1)})
 
     class Evaluate(TrainerCallback):
         def on_step_end(self, a, state, control, model=None, **kw):
             if state.global_step % args.eval_every == 0:
-                point = evaluate_policy(model, reference, tokenizer, data.test_prompts, data.gold, args, args.seed + 1)
-                curve.append({"step": state.global_step, **point})
+                evaluate(model, state.global_step)
 
-    config = GRPOConfig(output_dir=out_dir, max_steps=args.rl_steps, per_device_train_batch_size=8, num_generations=4,
-                        max_completion_length=args.completion_tokens, beta=args.kl_beta, learning_rate=1e-4,
+    config = GRPOConfig(output_dir=out_dir, max_steps=args.rl_steps, per_device_train_batch_size=args.rl_completions_per_step,
+                        num_generations=args.num_generations, max_completion_length=args.completion_tokens,
+                        beta=args.kl_beta, learning_rate=args.rl_learning_rate,
                         temperature=1.0, report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
                         save_strategy="no", logging_strategy="no", seed=args.seed, disable_tqdm=True)
     trainer = UserDPGRPOTrainer(model=sft_path, reward_funcs=reward_fn, args=config,
                                 train_dataset=Dataset.from_dict({"prompt": data.train_prompts}), processing_class=tokenizer,
                                 allow_non_private_reward=True, callbacks=[Evaluate()])
-    curve.append({"step": 0, **evaluate_policy(trainer.model, reference, tokenizer, data.test_prompts, data.gold, args,
-                                               args.seed + 1)})
     trainer.train()
+    if points[-1]["step"] != trainer.state.global_step:
+        evaluate(trainer.model, trainer.state.global_step)
     trainer.save_model(out_dir)
-    return {"curve": curve, "report": trainer.carried_privacy_report().to_dict()}
+    curve = [{k: v for k, v in point.items() if k != "per_prompt"} for point in points]
+    return {"curve": curve, "final": points[-1], "report": trainer.carried_privacy_report().to_dict()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -396,10 +441,17 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
     """Run all stages; print and save the table, the curves and the plot. Returns the results."""
     args.validate()  # the fields may have been changed since construction
     start = time.time()
+    minutes: Dict[str, float] = {}
+
+    def lap(stage: str, since: float) -> float:
+        minutes[stage] = (time.time() - since) / 60
+        return time.time()
+
     os.makedirs(args.output_dir, exist_ok=True)
     stages = tqdm(total=4, desc="pipeline", leave=True)
     stages.set_postfix_str("data and gold reward")
     data = build_sentiment_data(args)
+    clock = lap("data and gold reward", start)
     stages.update(1)
     stages.set_postfix_str("reward models")
     encoder = MiniLMEncoder()
@@ -407,16 +459,24 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
     runs: List[Tuple[str, Optional[float]]] = [("none", None)] if "none" in args.mechanisms else []
     runs += [(mech, eps) for eps in args.epsilons for mech in args.mechanisms if mech != "none"]
     rewards = [train_reward_head(mech, eps, emb, data, args) for mech, eps in tqdm(runs, desc="reward models", leave=False)]
+    clock = lap("reward models", clock)
     stages.update(1)
     stages.set_postfix_str("SFT policy")
     sft_path = build_sft_policy(data, args)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sft = AutoModelForCausalLM.from_pretrained(sft_path).eval()
+    sft_point = evaluate_policy(sft, sft, AutoTokenizer.from_pretrained(sft_path), data.test_prompts, data.gold, args,
+                                args.seed + 1)
+    clock = lap("SFT policy", clock)
     stages.update(1)
     stages.set_postfix_str("online RL")
     reference = next((r for r in rewards if r.mechanism == "none"), None)
-    results = []
+    results, finals = [], []
     for reward in tqdm(rewards, desc="online RL", leave=False):
-        policy = train_policy(sft_path, reward, encoder, data, args)
-        final = policy["curve"][-1]
+        policy = train_policy(sft_path, reward, encoder, data, args, sft_point)
+        final = policy["final"]
+        finals.append(final["per_prompt"])
         results.append({
             "mechanism": reward.mechanism,
             "target_epsilon": reward.epsilon,
@@ -428,70 +488,114 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
             "gold_reward": final["gold_reward"],
             "gold_reward_se": final["gold_reward_se"],
             "kl": final["kl"],
+            "ended": final["ended"],
+            # paired over the held-out prompts (same prompts and sampling seed): the gain over the SFT policy
+            "gain_over_sft": paired(final["per_prompt"], sft_point["per_prompt"]),
             "aup_halted": reward.report.extra.get("halted"),
             "curve": policy["curve"],
             "privacy_report": policy["report"],
         })
+    if reference is not None:
+        full_gain = results[0]["gain_over_sft"]["mean"]
+        for r, per_prompt in zip(results[1:], finals[1:]):
+            r["vs_none"] = paired(per_prompt, finals[0])  # does it lose a significant part of the non-private gain?
+            r["share_of_gain"] = r["gain_over_sft"]["mean"] / full_gain if full_gain > 0 else None
+    lap("online RL", clock)
     stages.update(1)
     stages.close()
-    table = format_table(results, args)
+    sft_summary = {k: v for k, v in sft_point.items() if k != "per_prompt"}
+    table = format_table(results, sft_summary, args)
     print(table)
-    payload = {"arguments": dataclasses.asdict(args), "data_card": data.card, "results": results, "table": table,
-               "minutes": (time.time() - start) / 60}
+    minutes["total"] = (time.time() - start) / 60
+    payload = {"arguments": dataclasses.asdict(args), "data_card": data.card, "sft_policy": sft_summary,
+               "results": results, "table": table, "minutes": minutes}
     with open(os.path.join(args.output_dir, "pipeline_results.json"), "w") as f:
         json.dump(payload, f, indent=2, default=str)
-    plot_curves(results, os.path.join(args.output_dir, "reward_vs_kl.png"))
+    plot_curves(results, sft_summary, args, os.path.join(args.output_dir, "privacy_utility.png"))
     print(f"\nresults: {os.path.join(args.output_dir, 'pipeline_results.json')}, "
-          f"plot: {os.path.join(args.output_dir, 'reward_vs_kl.png')} ({payload['minutes']:.1f} min)")
+          f"plot: {os.path.join(args.output_dir, 'privacy_utility.png')}; minutes: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in minutes.items()))
     return payload
 
 
-def format_table(results: List[Dict[str, object]], args: PipelineArguments) -> str:
+def format_table(results: List[Dict[str, object]], sft: Dict[str, float], args: PipelineArguments) -> str:
     lines = [
         f"Controlled sentiment generation in miniature: n = {args.n_users} users, m = {args.max_samples_per_user}, "
         f"δ = {args.delta:g}, every ε under the {args.neighboring_relation!r} relation, GRPO {args.rl_steps} steps "
         f"(KL coefficient {args.kl_beta})",
-        f"{'mechanism':<20} {'target ε':>8} {'ε spent':>8} {'RM pair acc':>11} {'p vs none':>9} "
-        f"{'gold reward (95% CI)':>21} {'KL':>7}",
-        "-" * 90,
+        f"{'mechanism':<20} {'target ε':>8} {'ε spent':>8} {'RM acc':>6} {'RM p':>8} {'gold reward':>11} "
+        f"{'gain over SFT':>15} {'p vs SFT':>8} {'share':>5} {'p vs none':>9} {'KL':>6} {'ended':>5}",
+        "-" * 124,
     ]
     for r in results:
         eps = "—" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}"
         spent = "∞ (none)" if r["epsilon_spent"] is None else f"{r['epsilon_spent']:.3g}"
-        note = " (halted)" if r.get("aup_halted") else ""
-        reward = f"{r['gold_reward']:.3f} ± {1.96 * r['gold_reward_se']:.3f}"
-        p = "—" if r.get("reward_model_vs_none_p") is None else f"{r['reward_model_vs_none_p']:.3g}"
-        lines.append(f"{r['mechanism']:<20} {eps:>8} {spent:>8} {r['reward_model_pair_accuracy']:>11.3f} {p:>9} "
-                     f"{reward:>21} {r['kl']:>7.3f}{note}")
-    start = results[0]["curve"][0] if results else None
-    if start is not None:
-        reward = f"{start['gold_reward']:.3f} ± {1.96 * start['gold_reward_se']:.3f}"
-        lines.append(f"{'SFT policy (start)':<20} {'':>8} {'':>8} {'':>11} {'':>9} {reward:>21} {0.0:>7.3f}")
-    lines.append("ε spent: the reward model's user-level guarantee (the policy inherits it by post-processing); "
-                 f"RM pair acc: agreement with the gold preference on {args.eval_pairs} held-out pairs; p vs none: exact "
-                 "McNemar test of that agreement against the non-private reward model's on the same pairs; gold reward: mean gold "
-                 f"log-odds of one sampled completion per held-out prompt ({args.eval_prompts} prompts).")
+        note = " (AUP halted)" if r.get("aup_halted") else ""
+        gain = r["gain_over_sft"]
+        rm_p = "—" if r.get("reward_model_vs_none_p") is None else f"{r['reward_model_vs_none_p']:.2g}"
+        share = "—" if r.get("share_of_gain") is None else f"{r['share_of_gain']:.2f}"
+        vs_none = "—" if r.get("vs_none") is None else f"{r['vs_none']['p']:.2g}"
+        lines.append(f"{r['mechanism']:<20} {eps:>8} {spent:>8} {r['reward_model_pair_accuracy']:>6.3f} {rm_p:>8} "
+                     f"{r['gold_reward']:>11.3f} {gain['mean']:>7.3f} ± {gain['half_width']:.3f} {gain['p']:>8.2g} "
+                     f"{share:>5} {vs_none:>9} {r['kl']:>6.2f} {r['ended']:>5.2f}{note}")
+    lines.append(f"{'SFT policy (start)':<20} {'':>8} {'':>8} {'':>6} {'':>8} {sft['gold_reward']:>11.3f} {'':>15} "
+                 f"{'':>8} {'':>5} {'':>9} {0.0:>6.2f} {sft['ended']:>5.2f}")
+    lines.append(
+        "ε spent: the reward model's user-level guarantee (the policy inherits it by post-processing). RM acc: the reward "
+        f"model's agreement with the gold preference on {args.eval_pairs} held-out pairs; RM p: exact McNemar test of it "
+        "against the non-private reward model's. gold reward: mean gold log-odds over "
+        f"{args.eval_prompts} held-out prompts × {args.eval_samples} sampled completions, the same prompts and sampling "
+        "seed for every policy. gain over SFT: its paired difference from the SFT policy ± 95% half-width, p vs SFT its "
+        "paired t-test; share: gain / the non-private policy's gain; p vs none: paired t-test against the non-private "
+        "policy. KL: KL(π ‖ π_SFT) per completion; ended: share of completions that end with EOS.")
     return "\n".join(lines)
 
 
-def plot_curves(results: List[Dict[str, object]], path: str) -> None:
+def plot_curves(results: List[Dict[str, object]], sft: Dict[str, float], args: PipelineArguments, path: str) -> None:
+    """Gold reward against KL per mechanism, one panel per ε (AUP-RLHF's Fig. 1 form), and gold reward against ε per
+    mechanism with the non-private and SFT policies as references (privacy–utility)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     epsilons = sorted({r["target_epsilon"] for r in results if r["target_epsilon"] is not None})
-    fig, axes = plt.subplots(1, max(1, len(epsilons)), figsize=(5 * max(1, len(epsilons)), 3.8), sharey=True)
+    mechanisms = list(dict.fromkeys(r["mechanism"] for r in results))
+    colors = {m: f"C{i}" for i, m in enumerate(mechanisms)}
+    none = next((r for r in results if r["target_epsilon"] is None), None)
+    fig, axes = plt.subplots(1, len(epsilons) + 1, figsize=(4.4 * (len(epsilons) + 1), 3.8))
     axes = np.atleast_1d(axes)
-    for ax, eps in zip(axes, epsilons or [None]):
+    for ax, eps in zip(axes, epsilons):
+        if ax is not axes[0]:
+            ax.sharey(axes[0])
         for r in results:
             if r["target_epsilon"] not in (eps, None):
                 continue
-            curve = r["curve"]
             label = r["mechanism"] if r["target_epsilon"] is not None else "none (non-private)"
-            ax.plot([p["kl"] for p in curve], [p["gold_reward"] for p in curve], marker="o", ms=3, label=label)
-        ax.set(title=f"ε = {eps:g}" if eps is not None else "", xlabel="KL(π ‖ π_SFT)", ylabel="gold reward")
-    axes[0].legend(fontsize=7)
+            ax.plot([p["kl"] for p in r["curve"]], [p["gold_reward"] for p in r["curve"]], marker="o", ms=3,
+                    label=label, color=colors[r["mechanism"]], linestyle="--" if r["target_epsilon"] is None else "-")
+        ax.set(title=f"ε = {eps:g}, δ = {args.delta:g} (user level)", xlabel="KL(π ‖ π_SFT) per completion",
+               ylabel="gold reward (mean log-odds)")
+    ax = axes[-1]  # privacy–utility: each policy's gain over the SFT policy, paired over the held-out prompts
+    for mech in mechanisms:
+        rows = sorted((r for r in results if r["mechanism"] == mech and r["target_epsilon"] is not None),
+                      key=lambda r: r["target_epsilon"])
+        if rows:
+            ax.errorbar([r["target_epsilon"] for r in rows], [r["gain_over_sft"]["mean"] for r in rows],
+                        yerr=[r["gain_over_sft"]["half_width"] for r in rows], marker="o", ms=3, capsize=2, label=mech,
+                        color=colors[mech])
+    if none is not None:
+        ax.axhline(none["gain_over_sft"]["mean"], color=colors[none["mechanism"]], linestyle="--",
+                   label="none (non-private)")
+    ax.axhline(0.0, color="black", linestyle=":", label="SFT policy (start)")
+    ax.set(xscale="log", xlabel="ε (user level, replace one user's labels)", ylabel="gold reward gain over SFT",
+           title="privacy–utility (paired 95% CI)")
+    if epsilons:
+        ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        axes[0].legend(fontsize=7)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
