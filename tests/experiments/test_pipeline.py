@@ -18,8 +18,9 @@ def test_pipeline_runs_every_stage_and_writes_results(tmp_path, capsys):
     assert [r["mechanism"] for r in payload["results"]] == ["none", "randomized_response", "user_dpsgd"]
     for r in payload["results"]:
         assert [p["step"] for p in r["curve"]] == [0, 1, 2]  # start, step 1, step 2
-        numbers = [r["gold_reward"], r["gold_reward_se"], r["kl"], r["ended"], r["reward_model_pair_accuracy"],
-                   *r["gain_over_sft"].values(), *(v for p in r["curve"] for v in p.values())]
+        numbers = [r["gold_reward"], r["gold_reward_se"], r["kl"], r["kl_se"], r["ended"],
+                   r["reward_model_pair_accuracy"], *r["gain_over_sft"].values(),
+                   *(v for p in r["curve"] for v in p.values())]
         assert all(math.isfinite(v) for v in numbers) and 0 <= r["ended"] <= 1
         assert r["curve"][0]["gold_reward"] == payload["sft_policy"]["gold_reward"]  # one SFT evaluation, paired
     baseline = payload["results"][0]["privacy_report"]  # its reward head saw the users without privacy: not public

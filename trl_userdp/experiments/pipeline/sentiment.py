@@ -375,10 +375,11 @@ def evaluate_policy(policy, reference, tokenizer, prompts: Sequence[str], gold, 
         scores.extend(gold(texts))
     policy.train()
     per_prompt = np.asarray(scores).reshape(len(prompts), args.eval_samples).mean(1)
+    kl = torch.cat(kls).double().reshape(len(prompts), args.eval_samples).mean(1).numpy()  # per prompt, as the reward
     return {"gold_reward": float(per_prompt.mean()),
             "gold_reward_se": float(per_prompt.std(ddof=1) / np.sqrt(len(per_prompt))),
-            "kl": float(torch.cat(kls).mean()), "ended": float(torch.cat(ended).float().mean()),
-            "per_prompt": per_prompt.tolist()}
+            "kl": float(kl.mean()), "kl_se": float(kl.std(ddof=1) / np.sqrt(len(kl))),
+            "ended": float(torch.cat(ended).float().mean()), "per_prompt": per_prompt.tolist()}
 
 
 def paired(a: Sequence[float], b: Sequence[float]) -> Dict[str, float]:
@@ -488,6 +489,7 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
             "gold_reward": final["gold_reward"],
             "gold_reward_se": final["gold_reward_se"],
             "kl": final["kl"],
+            "kl_se": final["kl_se"],
             "ended": final["ended"],
             # paired over the held-out prompts (same prompts and sampling seed): the gain over the SFT policy
             "gain_over_sft": paired(final["per_prompt"], sft_point["per_prompt"]),
@@ -524,8 +526,8 @@ def format_table(results: List[Dict[str, object]], sft: Dict[str, float], args: 
         f"δ = {args.delta:g}, every ε under the {args.neighboring_relation!r} relation, GRPO {args.rl_steps} steps "
         f"(KL coefficient {args.kl_beta})",
         f"{'mechanism':<20} {'target ε':>8} {'ε spent':>8} {'RM acc':>6} {'RM p':>8} {'gold reward':>11} "
-        f"{'gain over SFT':>15} {'p vs SFT':>8} {'share':>5} {'p vs none':>9} {'KL':>6} {'ended':>5}",
-        "-" * 124,
+        f"{'gain over SFT':>15} {'p vs SFT':>8} {'share':>5} {'p vs none':>9} {'KL':>12} {'ended':>5}",
+        "-" * 130,
     ]
     for r in results:
         eps = "—" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}"
@@ -537,9 +539,9 @@ def format_table(results: List[Dict[str, object]], sft: Dict[str, float], args: 
         vs_none = "—" if r.get("vs_none") is None else f"{r['vs_none']['p']:.2g}"
         lines.append(f"{r['mechanism']:<20} {eps:>8} {spent:>8} {r['reward_model_pair_accuracy']:>6.3f} {rm_p:>8} "
                      f"{r['gold_reward']:>11.3f} {gain['mean']:>7.3f} ± {gain['half_width']:.3f} {gain['p']:>8.2g} "
-                     f"{share:>5} {vs_none:>9} {r['kl']:>6.2f} {r['ended']:>5.2f}{note}")
+                     f"{share:>5} {vs_none:>9} {r['kl']:>5.2f} ± {1.96 * r['kl_se']:.2f} {r['ended']:>5.2f}{note}")
     lines.append(f"{'SFT policy (start)':<20} {'':>8} {'':>8} {'':>6} {'':>8} {sft['gold_reward']:>11.3f} {'':>15} "
-                 f"{'':>8} {'':>5} {'':>9} {0.0:>6.2f} {sft['ended']:>5.2f}")
+                 f"{'':>8} {'':>5} {'':>9} {0.0:>12.2f} {sft['ended']:>5.2f}")
     lines.append(
         "ε spent: the reward model's user-level guarantee (the policy inherits it by post-processing). RM acc: the reward "
         f"model's agreement with the gold preference on {args.eval_pairs} held-out pairs; RM p: exact McNemar test of it "
@@ -547,7 +549,8 @@ def format_table(results: List[Dict[str, object]], sft: Dict[str, float], args: 
         f"{args.eval_prompts} held-out prompts × {args.eval_samples} sampled completions, the same prompts and sampling "
         "seed for every policy. gain over SFT: its paired difference from the SFT policy ± 95% half-width, p vs SFT its "
         "paired t-test; share: gain / the non-private policy's gain; p vs none: paired t-test against the non-private "
-        "policy. KL: KL(π ‖ π_SFT) per completion; ended: share of completions that end with EOS.")
+        "policy. KL: KL(π ‖ π_SFT) per completion ± 95% half-width over the prompts; ended: share of completions that "
+        "end with EOS.")
     return "\n".join(lines)
 
 
