@@ -123,7 +123,8 @@ class UserDataArguments(ScriptArguments):
     Rows carry ``chosen``, ``rejected`` (``prompt`` for DPO; plain or conversational) and the user column."""
 
     dataset_name: Optional[str] = dataclasses.field(
-        default=None, metadata={"help": "Dataset: a path, a data file or a hub name (unset: the embedded IMDb pairs).",
+        default=None, metadata={"help": "Dataset: a path, a data file or a hub name (unset or 'imdb': the embedded "
+                                        "IMDb pairs).",
                                 "aliases": ["--dataset"]})
     dataset_test_split: str = dataclasses.field(
         default="test", metadata={"help": "Split evaluated when --eval_strategy is not 'no'. Evaluation metrics are "
@@ -179,7 +180,9 @@ def _load_splits(script_args: ScriptArguments):
         if not os.path.isfile(name):
             raise ValueError(f"dataset file {name!r} does not exist.")
         try:
-            loaded = load_dataset(FILE_BUILDERS[extension], data_files=name, name=script_args.dataset_config)
+            # one file: its rows are the train split, whatever it is called
+            loaded = load_dataset(FILE_BUILDERS[extension], data_files=name, name=script_args.dataset_config,
+                                  split="train")
         except StopIteration:  # datasets' reader on a file with no rows
             raise ValueError(f"dataset file {name!r} has no rows: there are no users to train on.") from None
     elif os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
@@ -188,7 +191,8 @@ def _load_splits(script_args: ScriptArguments):
         try:  # a folder of data files, or a hub dataset (from the cache when offline)
             loaded = load_dataset(name, name=script_args.dataset_config)
         except Exception as err:  # datasets raises many types here; the user needs the one line
-            raise ValueError(f"cannot load dataset {name!r}: {str(err).splitlines()[0]}") from None
+            raise ValueError(f"cannot load dataset {name!r}: {(str(err).splitlines() or [type(err).__name__])[0]}") \
+                from None
     return DatasetDict({script_args.dataset_train_split: loaded}) if isinstance(loaded, Dataset) else loaded
 
 
@@ -199,7 +203,7 @@ def _load_data(script_args: ScriptArguments, config, for_dpo: bool = False):
 
     user_column = config.user_column
     evaluate = str(getattr(config, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO")
-    if script_args.dataset_name is None:
+    if script_args.dataset_name in (None, "imdb"):  # "imdb": the old CLI's name for the embedded pairs
         from .experiments.pipeline.sentiment import imdb_preference_dataset
 
         if evaluate:
