@@ -61,3 +61,17 @@ def test_opacus_batch_memory_manager_over_users_is_a_clear_error():
             next(iter(batches))
     with pytest.raises(ValueError, match="below max_samples_per_user=5"):
         UserBatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer)
+
+
+def test_several_processes_are_refused():
+    """Each rank's shard would split into its own number of physical batches, so the ranks' steps (and all-reduces)
+    would not line up; micro_batches keeps the same count on every rank."""
+    from torch.utils.data import TensorDataset
+
+    from trl_userdp.data import UserDataLoader
+
+    data = TensorDataset(torch.zeros(8, 2))
+    loader = UserDataLoader(data, users_per_batch=2.0, user_ids=[0, 0, 1, 1, 2, 2, 3, 3], num_replicas=2, rank=0,
+                            seed=0)
+    with pytest.raises(ValueError, match="runs in one process"):
+        UserBatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=None)

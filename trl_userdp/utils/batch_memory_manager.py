@@ -89,6 +89,10 @@ class UserBatchMemoryManager(BatchMemoryManager):
         if data_loader.micro_batches != 1 or data_loader.user_key is not None:
             raise ValueError("UserBatchMemoryManager splits whole draws: use it instead of micro_batches, and not on "
                              "the trainers' loader (they accumulate with gradient_accumulation_steps).")
+        if data_loader.user_sampler.num_replicas > 1:  # ranks would split their shards into different numbers
+            raise ValueError("UserBatchMemoryManager runs in one process: across processes each rank's shard splits "
+                             "into its own number of physical batches, and the ranks' steps would not line up; use "
+                             "micro_batches= (the same count on every rank).")
         if getattr(data_loader.collate_fn, "rows_per_example", 1) != 1:
             raise ValueError("UserBatchMemoryManager splits batches with one row per example; with "
                              "rows_per_example > 1 use micro_batches instead.")
