@@ -31,7 +31,7 @@ Part B — the paper's Table 1/2 analogue: the per-coordinate noise std on the a
 sampled user within τ of every other, the Laplace noise of the threshold and of each query included;
 ``aup.survival_probability``), and the users per step AUP needs for that at n = 2000, T = 500, ε = 3.
 
-    python -m benchmarks.user_level_theory            # 10 seeds, the full grid; about 25 min on 2 CPU cores
+    python -m benchmarks.user_level_theory            # 10 seeds, the full grid; about 22 min on 2 CPU cores
     python -m benchmarks.user_level_theory --quick    # m = 10 only, ε ∈ {1, 3, 8}, 3 seeds
 """
 
@@ -75,10 +75,9 @@ STEPS, LR0, MU = 300, 5.0, 0.05
 RELATION = "replace"
 PRIVATE = ("user RR + de-biased MLE", "fixed C=1", "oracle clip", "adaptive", "group", "AUP (public τ)",
            "objective perturbation")
-CONTROLS = ("fixed C=1, no noise", "adaptive, no noise", "group, no noise", "AUP, no noise")
-COLUMNS = ("non-private MLE", "user RR + de-biased MLE", "fixed C=1, no noise", "fixed C=1", "oracle clip",
-           "adaptive, no noise", "adaptive", "group, no noise", "group", "AUP, no noise", "AUP (public τ)",
-           "objective perturbation")
+COLUMNS = ("non-private MLE", "user RR + de-biased MLE", "fixed C=1, no noise", "fixed C=1", "oracle, no noise",
+           "oracle clip", "adaptive, no noise", "adaptive", "group, no noise", "group", "AUP, no noise",
+           "AUP (public τ)", "objective perturbation")
 
 
 def schedule(t: int) -> float:
@@ -133,6 +132,8 @@ def one_seed(seed: int, total: int, ms: Sequence[int], epsilons: Sequence[float]
         tau = public_tau(theta_star, m, seed + 7) if with_aup else math.nan
         base = {"non-private MLE": mle_err, "oracle_clip_value": oracle, "public_tau": tau,
                 "fixed C=1, no noise": err(user_dpsgd(data, None, DELTA, max_grad_norm=C, rng=stream(0), **sgd).theta),
+                "oracle, no noise": err(user_dpsgd(data, None, DELTA, max_grad_norm=oracle, rng=stream(0),
+                                                   **sgd).theta),
                 "adaptive, no noise": err(user_dpsgd_adaptive(data, None, DELTA, rng=stream(0), **adaptive,
                                                               **sgd).theta),
                 "group, no noise": err(group_dpsgd(data, None, DELTA, max_grad_norm=C, rng=stream(0), **sgd).theta),
