@@ -58,7 +58,7 @@ DEFAULT_MECHANISMS = ("none", "randomized_response", "group", "user_dpsgd", "aup
 
 @dataclasses.dataclass
 class PipelineArguments:
-    """Settings of ``trl-userdp pipeline``. The defaults run in about six and a half minutes on 2 CPU cores; the
+    """Settings of ``trl-userdp pipeline``. The defaults run in about six minutes on 2 CPU cores; the
     paper's setting is n = 2500 users, m = 10, ε ∈ {3, 8}, δ = 1e-5 with Gemma-2-2B / Llama-2-7B
     policies (``--policy_model``) on a GPU."""
 
