@@ -75,3 +75,21 @@ def test_several_processes_are_refused():
                             seed=0)
     with pytest.raises(ValueError, match="runs in one process"):
         UserBatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=None)
+
+
+def test_a_draw_ended_by_the_budget_guard_leaves_no_signal_behind():
+    """Each physical batch's signal is used by its own step(), also when the budget guard stops the draw's last one:
+    a signal left in the queue would make the next draw step on its first physical batch."""
+    import trl_userdp
+
+    _, model, optimizer, loader = _private_linear(noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6)
+
+    def exhausted():
+        raise trl_userdp.PrivacyBudgetExhausted("spent")
+
+    optimizer.budget_guard, optimizer.skip_when_exhausted = exhausted, True
+    optimizer.signal_skip_step_whole_users(do_skip=True)
+    assert optimizer.step() is None and optimizer._is_last_step_skipped
+    optimizer.signal_skip_step_whole_users(do_skip=False)
+    assert optimizer.step() is None and not optimizer._is_last_step_skipped
+    assert optimizer._step_skip_queue == []

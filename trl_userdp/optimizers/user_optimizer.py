@@ -284,8 +284,7 @@ class UserDPOptimizer(DPOptimizer):
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One private step; it uses up the batch the loader drew, whatever happens. A physical batch that does not
         end its draw (``UserBatchMemoryManager``) takes no step: its users' sums wait for the rest of the draw."""
-        if self._check_skip_next_step(pop_next=False):
-            self._step_skip_queue.pop(0)
+        if self._step_skip_queue and self._step_skip_queue.pop(0):  # each physical batch's signal, used here once
             self._is_last_step_skipped = True
             return None
         self._is_last_step_skipped = False  # this step ends its draw, even if the budget guard stops it
