@@ -51,6 +51,7 @@ PUBLIC_LOG_KEYS = {"epsilon", "delta", "learning_rate", "epoch", "privacy_steps"
 #: share of rows dropped by contribution bounding from which the trainers warn (the data owner's console only)
 DROPPED_ROWS_WARNING = 0.1
 
+
 class PrivacyBudgetCallback(TrainerCallback):
     """Stops training before a step the budget cannot pay for, or after AUP-RLHF halts."""
 

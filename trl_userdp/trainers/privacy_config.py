@@ -30,7 +30,8 @@ class UserDPArguments:
     """
 
     privacy_mechanism: str = dataclasses.field(
-        default="user_dpsgd", metadata={"help": "The mechanism (README, 'Mechanisms').", "choices": list(mechanism_names())}
+        default="user_dpsgd", metadata={"help": "The user-level mechanism (docs/mechanisms.md).",
+                                        "choices": list(mechanism_names())}
     )
     target_epsilon: Optional[float] = dataclasses.field(
         default=8.0,
