@@ -10,7 +10,7 @@ import dataclasses
 import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
-from trl import ModelConfig, ScriptArguments, TrlParser
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from .validators import check_delta, check_epsilon, check_max_samples_per_user, check_steps, check_users_per_batch
 
@@ -227,12 +227,6 @@ def _load_data(script_args: ScriptArguments, config, for_dpo: bool = False):
     return train, eval_dataset
 
 
-def _peft(model_args: ModelConfig):
-    from trl import get_peft_config
-
-    return get_peft_config(model_args)
-
-
 def _saved_base(model, tokenizer, output_dir: str):
     """A model built in memory (``tiny``), saved under ``output_dir/base_model`` and reloaded from there, so that
     its LoRA adapters name a base they can be reloaded on (``base_model_name_or_path``). Public: random weights
@@ -280,7 +274,7 @@ def reward(data: UserDataArguments, config, model_args: RewardModelConfig) -> in
         for p in head.parameters():
             p.requires_grad_(True)
     trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=eval_dataset,
-                                  processing_class=tokenizer, peft_config=_peft(model_args))
+                                  processing_class=tokenizer, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     return _done(trainer, trainer.privacy_report())
@@ -321,7 +315,7 @@ def dpo(data: UserDataArguments, config, model_args: PolicyModelConfig) -> int:
             raise ValueError(f"the dataset is conversational but {model_args.model_name_or_path}'s tokenizer has no "
                              "chat template: pass --chat_template_path.")
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    peft_config = _peft(model_args)
+    peft_config = get_peft_config(model_args)
     if tiny and peft_config is not None:
         model = _saved_base(model, tokenizer, config.output_dir)
     reference = None if peft_config is not None else copy.deepcopy(model)
@@ -361,7 +355,7 @@ def rl(script_args: ScriptArguments, config, model_args: ModelConfig, rl_args: R
     trainer = UserDPGRPOTrainer(model=policy, reward_funcs=reward_model, args=config, train_dataset=prompts,
                                 processing_class=AutoTokenizer.from_pretrained(policy),
                                 reward_processing_classes=AutoTokenizer.from_pretrained(rl_args.reward_model),
-                                peft_config=_peft(model_args))
+                                peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     return _done(trainer, trainer.carried_privacy_report())
