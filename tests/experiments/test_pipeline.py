@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from trl_userdp.experiments.pipeline import PipelineArguments, run_pipeline
+from trl_userdp.mechanisms.randomized_response import OUTPUT_DIR as RR_OUTPUT_DIR
 
 
 def test_pipeline_runs_every_stage_and_writes_results(tmp_path, capsys):
@@ -34,6 +35,10 @@ def test_pipeline_runs_every_stage_and_writes_results(tmp_path, capsys):
         assert 0 <= r["reward_model_vs_none_p"] <= 1 and 0 <= r["vs_none"]["p"] <= 1
         assert r["share_of_gain"] is None or math.isfinite(r["share_of_gain"])
     assert private["privacy_report"]["mechanism"] == "post-processing"
+    # the reward models came from UserDPRewardTrainer: ñ = 5 of 20 users for 5 epochs is 20 accounted steps, and
+    # randomized response kept its one draw in the trainer's output folder
+    assert private["privacy_report"]["extra"]["reward_model_reports"][0]["steps_taken"] == 20
+    assert (tmp_path / "reward_models" / "randomized_response_eps8" / RR_OUTPUT_DIR).is_dir()
     out = capsys.readouterr().out
     assert "gain over SFT" in out and "p vs none" in out and "ended: share of completions" in out
     saved = json.load(open(tmp_path / "pipeline_results.json"))

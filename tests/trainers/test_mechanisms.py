@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from trl_userdp import PrivacyReport
 from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
@@ -57,3 +58,19 @@ def test_mechanism_trains_three_steps(tmp_path, mechanism, script, trainer_cls, 
         if mechanism == "aup":
             assert report.concentration_radius == 5.0 and report.extra["svt_queries"] == 3
             assert not report.extra["halted"] and report.steps_taken == 3
+
+
+def test_the_reward_trainers_randomized_response_loss_is_the_normalised_debiased_one(tmp_path):
+    """Under randomized response at ε/m per label (s = σ(ε/m)) the reward trainer's loss is
+    ((2s − 1)·softplus(−z) − (1 − s)·z) / (2s − 1) on the observed margins z: an unbiased estimate of the clean BTL
+    loss's gradient, so the learning rate means what it means without privacy (as rDPO in the DPO trainer)."""
+    trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), steps=1,
+                            privacy_mechanism="randomized_response", target_epsilon=3.0, max_samples_per_user=3)
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        chosen, rejected = trainer.model(input_ids=batch["input_ids"],
+                                         attention_mask=batch["attention_mask"]).logits.squeeze(-1).chunk(2)
+    z, s = chosen - rejected, 1 / (1 + math.exp(-3.0 / 3))
+    expected = (((2 * s - 1) * torch.nn.functional.softplus(-z) - (1 - s) * z) / (2 * s - 1)).mean()
+    torch.testing.assert_close(loss, expected)

