@@ -53,3 +53,18 @@ def test_step_cost_benchmark_runs_a_tiny_setting(tmp_path):
     scaling = out["scaling"]["cells"]
     assert scaling["ghost|4"]["s_per_step"] > 0 and "skipped" in scaling["hooks|4"]
     assert os.path.exists(tmp_path / "step_cost.json")
+
+
+def test_pipeline_seeds_varies_one_seed_at_a_time(tmp_path):
+    from benchmarks import pipeline_seeds
+
+    out = pipeline_seeds.main(["--mechanisms", "user_dpsgd", "--seeds", "2", "--out", str(tmp_path), "--work_dir",
+                               str(tmp_path / "runs"), "--pipeline", "n_users=20", "max_samples_per_user=4",
+                               "users_per_batch=5", "sft_steps=4", "rl_steps=2", "eval_every=2", "eval_prompts=6",
+                               "eval_samples=2", "eval_pairs=20", "rl_completions_per_step=4", "num_generations=2",
+                               "completion_tokens=8"])
+    assert [(r["reward_seed"], r["rl_seed"]) for r in out["runs"]] == [(0, 0), (1, 0), (0, 1)]
+    assert out["runs"][0]["reward_model_pair_accuracy"] == out["runs"][2]["reward_model_pair_accuracy"]  # one RM
+    assert {s["varied"]: s["runs"] for s in out["spread"]} == {"reward seeds": 2, "RL seeds": 2}
+    assert all(math.isfinite(s["gain_sd"]) for s in out["spread"])
+    assert os.path.exists(tmp_path / "pipeline_seeds.json")

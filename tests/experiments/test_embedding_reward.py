@@ -4,6 +4,9 @@ memoizing changes no number, TRL tokenizes a text as the encoder does (so online
 it had in training), only the head trains, and the trainer spends the asked ε."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,3 +69,18 @@ def test_the_reward_trainer_tokenizes_as_the_encoder_trains_only_the_head_and_sp
     assert 0 < epsilon <= 3.0 and math.isclose(epsilon, 3.0, rel_tol=1e-3)
     assert all(torch.equal(v, encoder.model.state_dict()[k]) for k, v in frozen.items())
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in head.items())
+
+
+def test_embeddings_do_not_depend_on_the_processs_hash_seed():
+    """Which texts share an encoder batch changes their float rounding, and online RL amplifies any change (a reward
+    model's policy moved by 0.2 in gold reward): the batches must not follow a set's order, which changes with
+    PYTHONHASHSEED, so that the main job reproduces its table in every process."""
+    script = ("import hashlib\n"
+              "from trl_userdp.experiments.pipeline.embedding_reward import MiniLMEncoder\n"
+              "enc = MiniLMEncoder(batch_size=8)\n"
+              "texts = [f'good film number {i}' for i in range(40)] + [f\"a {'very ' * (i % 5)}bad movie {i}\" for i in range(40)]\n"
+              "enc(texts[::3])\n"
+              "print(hashlib.sha256(enc(texts, memoize=False).numpy().tobytes()).hexdigest())\n")
+    digests = {subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONHASHSEED": str(seed)},
+                              capture_output=True, text=True, check=True).stdout.strip() for seed in (1, 2)}
+    assert len(digests) == 1

@@ -53,7 +53,9 @@ class MiniLMEncoder:
         what is not cached without keeping it (texts seen once, such as sampled completions)."""
         keys = [np.asarray(ids, dtype=np.int64).tobytes() for ids in sequences]
         computed: Dict[bytes, torch.Tensor] = {}
-        missing = sorted({k for k in keys if k not in self._cache}, key=len)  # similar lengths batch together
+        # similar lengths batch together; ties in first-seen order, never a set's (its order changes with the process's
+        # hash seed, and with it each text's batch mates and the float rounding of its embedding)
+        missing = sorted(dict.fromkeys(k for k in keys if k not in self._cache), key=len)
         starts = range(0, len(missing), self.batch_size)
         limit = self.model.config.max_position_embeddings
         for start in tqdm(starts, desc="embedding", disable=not progress, leave=False):

@@ -102,6 +102,18 @@ class PipelineArguments:
     completion_tokens: int = dataclasses.field(default=24, metadata={"help": "Most tokens generated per completion."})
     output_dir: str = dataclasses.field(default="runs/pipeline", metadata={"help": "Where models, results and the plot go."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed of data, sampling and training."})
+    reward_seed: Optional[int] = dataclasses.field(
+        default=None, metadata={"help": "Seed of reward-model training (head init, batch order, user sampling, noise, "
+                                        "label flips; default: seed)."})
+    rl_seed: Optional[int] = dataclasses.field(default=None, metadata={"help": "Seed of GRPO (default: seed)."})
+
+    @property
+    def reward_training_seed(self) -> int:
+        return self.seed if self.reward_seed is None else self.reward_seed
+
+    @property
+    def rl_training_seed(self) -> int:
+        return self.seed if self.rl_seed is None else self.rl_seed
 
     def __post_init__(self):
         self.validate()
@@ -246,22 +258,22 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
     name = mechanism + ("" if epsilon is None else f"_eps{epsilon:g}")
     out_dir = os.path.join(args.output_dir, "reward_models", name)
     shutil.rmtree(out_dir, ignore_errors=True)  # randomized response reuses a saved draw: never one of an older run
-    m = args.max_samples_per_user
+    m, seed = args.max_samples_per_user, args.reward_training_seed
     dataset = Dataset.from_dict({"chosen": [data.pool[i] for i in data.pairs[:, 0]],
                                  "rejected": [data.pool[i] for i in data.pairs[:, 1]], "user_id": data.users.tolist()})
     steps = int(round(args.reward_epochs * args.n_users / args.users_per_batch))
     privacy = dict(privacy_mechanism=mechanism, target_epsilon=epsilon, target_delta=args.delta, accountant="pld",
                    neighboring_relation=args.neighboring_relation, per_user_max_grad_norm=1.0,
-                   max_samples_per_user=m, users_per_batch=args.users_per_batch, privacy_seed=args.seed)
+                   max_samples_per_user=m, users_per_batch=args.users_per_batch, privacy_seed=seed)
     if getattr(get_mechanism(mechanism), "adaptive", False):  # AUP-RLHF
         privacy.update(users_per_batch=float(args.n_users), max_users_per_batch=args.n_users, concentration_radius=tau)
     config = UserDPRewardConfig(
         output_dir=out_dir, max_steps=steps, per_device_train_batch_size=int(round(args.users_per_batch * m)),
         optim="sgd", learning_rate=args.reward_lr, lr_scheduler_type="constant", weight_decay=0.0, max_length=None,
         max_grad_norm=0.0, gradient_checkpointing=False,  # no raw-gradient clipping (DP clips per user); nothing to recompute
-        seed=args.seed, data_seed=args.seed, save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
+        seed=seed, data_seed=seed, save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
         disable_tqdm=True, **privacy)
-    model = new_reward_model(encoder, args.seed)
+    model = new_reward_model(encoder, seed)
     trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=dataset, processing_class=encoder.tokenizer)
     trainer.train()
     report = trainer.privacy_report()
@@ -273,7 +285,7 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
 
 def public_tau(encoder: MiniLMEncoder, emb: torch.Tensor, data: SentimentData, args: PipelineArguments) -> float:
     """AUP's τ from the public users (no privacy cost), at the reward model's initial head."""
-    head = new_reward_model(encoder, args.seed).head
+    head = new_reward_model(encoder, args.reward_training_seed).head
     public = TensorDataset(emb[data.public_pairs[:, 0]], emb[data.public_pairs[:, 1]])
     loader = UserDataLoader(public, users_per_batch=float(data.public_users.max() + 1), user_ids=data.public_users.tolist(),
                             rows_per_example=2, seed=args.seed, steps=3)
@@ -408,7 +420,7 @@ def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, da
                         num_generations=args.num_generations, max_completion_length=args.completion_tokens,
                         beta=args.kl_beta, learning_rate=args.rl_learning_rate,
                         temperature=1.0, report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
-                        save_strategy="no", logging_strategy="no", seed=args.seed, disable_tqdm=True)
+                        save_strategy="no", logging_strategy="no", seed=args.rl_training_seed, disable_tqdm=True)
     trainer = UserDPGRPOTrainer(model=sft_path, reward_funcs=reward_fn, args=config,
                                 train_dataset=Dataset.from_dict({"prompt": data.train_prompts}), processing_class=tokenizer,
                                 allow_non_private_reward=True, callbacks=[Evaluate()])
