@@ -217,6 +217,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     p.add_argument("--aup-max-users", type=int, default=2000, help="run AUP-RLHF only where n is at most this")
     p.add_argument("--table_ms", type=int, nargs="+", default=[5, 10, 20, 50])
     p.add_argument("--table_epsilons", type=float, nargs="+", default=[1.0, 3.0, 8.0])
+    p.add_argument("--table_pairs", type=int, default=90_000, help="pairs in the noise table's setting (TL;DR: 90k)")
+    p.add_argument("--regime_users", type=int, nargs="+", default=[100, 200, 400, 600, 800, 1000, 1200, 1500],
+                   help="users per step of the AUP survival table")
     p.add_argument("--quick", action="store_true", help="m = 10 only, ε ∈ {1, 3, 8}, 3 seeds")
     p.add_argument("--out", default=RESULTS_DIR)
     p.add_argument("--name", default="user_level_theory")
@@ -244,15 +247,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     print(f"\nAUP-RLHF with Thm 4's τ instead: τ = {thm4:.1f} at n = {n_head}, m = {args.headline_m}, ε = 3, T = {STEPS}, "
           "while per-user gradients have norm ≤ 2L = 2 (distances ≤ 4): nothing is ever removed and its noise scales "
           "with τ, so the benchmark uses the public τ (column 'public_tau' in the JSON)")
-    noise = noise_table(args.table_ms, args.table_epsilons)
-    print("\nPer-coordinate noise std on the averaged gradient, TL;DR setting (90k pairs, ñ·m = 500, 5 epochs), "
-          f"C = 1, τ = C/√m, σ under the {RELATION!r} relation")
+    noise = noise_table(args.table_ms, args.table_epsilons, total_pairs=args.table_pairs)
+    setting = "TL;DR setting" if args.table_pairs == 90_000 else "setting"
+    print(f"\nPer-coordinate noise std on the averaged gradient, {setting} ({args.table_pairs:,} pairs, ñ·m = 500, "
+          f"5 epochs), C = 1, τ = C/√m, σ under the {RELATION!r} relation")
     tables.append(print_table(
         ["ε", "m", "n", "ñ", "T", "user-wise DP-SGD", "AUP-RLHF", "AUP/user-wise", "P(AUP survives T steps)"],
         [[r["epsilon"], r["m"], r["n"], f"{r['users_per_step']:g}", r["steps"], f"{r['user_wise']:.4f}",
           f"{r['aup']:.4f}", f"{r['aup'] / r['user_wise']:.2f}", f"{r['aup_survives_T']:.2e}"] for r in noise],
     ))
-    regime = regime_table()
+    regime = regime_table(users_per_step=args.regime_users)
     print("\nP(AUP-RLHF runs T = 500 steps without halting) against users per step ñ, n = 2000, ε = 3 (ε_svt = 1.5), "
           "best case (every pair of users within τ), AboveThreshold's noise included")
     tables.append(print_table(["ñ", "P(survives T steps)"],

@@ -29,7 +29,8 @@ def test_user_level_theory_runs_a_tiny_grid_on_nested_data(tmp_path):
 
     out = user_level_theory.main(["--seeds", "2", "--total", "120", "--ms", "4", "12", "--headline-m", "4",
                                   "--epsilons", "3", "--aup-max-users", "20", "--table_ms", "5",
-                                  "--table_epsilons", "3", "--out", str(tmp_path)])
+                                  "--table_epsilons", "3", "--regime_users", "600", "--table_pairs", "5000",
+                                  "--out", str(tmp_path)])
     by_m = out["results"]
     assert set(by_m) == {"4", "12"} and by_m["4"]["3.0"]["n"] == 30 and by_m["12"]["3.0"]["n"] == 10
     # nested: the same comparisons in every cell of a seed, so the MLE's error is the same across m
