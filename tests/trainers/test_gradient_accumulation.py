@@ -16,7 +16,7 @@ SCRIPTS = [(reward_script, UserDPRewardTrainer, UserDPRewardConfig), (dpo_script
 #: σ = 0, no clipping and plain SGD: the update is linear in the per-user averages, so a wrong scale (e.g. the Trainer
 #: dividing each micro-batch's loss by gradient_accumulation_steps) shows; with noise, the same draws and noise
 EXACT = dict(noise_multiplier=0.0, target_epsilon=None, per_user_max_grad_norm=1e6, optim="sgd", learning_rate=0.5)
-NOISY = dict(target_epsilon=8.0)
+NOISY = dict(target_epsilon=8.0, accountant="rdp")  # RDP calibrates σ in a fraction of PLD's time
 
 
 @pytest.mark.parametrize("settings", [EXACT, NOISY], ids=["noiseless", "noisy"])
@@ -42,7 +42,7 @@ def test_micro_batches_of_one_draw_give_the_one_batch_update(tmp_path, script, t
 
 
 def test_the_default_users_per_step_is_the_logical_batch(tmp_path):
-    trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), steps=1,
+    trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), steps=1, accountant="rdp",
                             per_device_train_batch_size=2, gradient_accumulation_steps=2)
     assert trainer.privacy_engine.data_loader.users_per_batch == 4.0
 
@@ -57,8 +57,8 @@ def test_ghost_clipping_trains_the_trainers_to_the_materialised_parameters(tmp_p
     for mode in ("hooks", "ghost"):
         extra = dict(tie=True) if script is dpo_script else {}
         trainer = script(trainer_cls, config_cls, str(tmp_path / mode), steps=3, gradient_accumulation_steps=ga,
-                         users_per_batch=4.0, privacy_seed=0, target_epsilon=8.0, per_user_max_grad_norm=0.05,
-                         grad_sample_mode=mode, **extra)
+                         users_per_batch=4.0, privacy_seed=0, target_epsilon=8.0, accountant="rdp",
+                         per_user_max_grad_norm=0.05, grad_sample_mode=mode, **extra)
         assert trainer.privacy_engine.hooks.ghost == (mode == "ghost")
         params[mode] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     for name, value in params["hooks"].items():
