@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -44,8 +45,11 @@ def test_the_forward_on_trls_padded_batch_is_the_encoder_on_each_text_alone(enco
         expected = model.head(alone)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model(**batch).logits.squeeze(-1), logits)  # the memoized pass: the same numbers
-    cached = len(encoder._cache)
-    encoder(["a completion sampled once"], memoize=False)
+    cached, key = len(encoder._cache), np.asarray(ids[0], dtype=np.int64).tobytes()
+    kept, encoder._cache[key] = encoder._cache[key], torch.zeros(encoder.dim)  # an entry online RL must not read
+    fresh = encoder(TEXTS[:1] + ["a completion sampled once"], cache=False)  # online RL's path: no cache read or write
+    encoder._cache[key] = kept
+    torch.testing.assert_close(fresh[0], alone[0], atol=1e-5, rtol=1e-5)
     assert len(encoder._cache) == cached
 
 
@@ -80,7 +84,7 @@ def test_embeddings_do_not_depend_on_the_processs_hash_seed():
               "enc = MiniLMEncoder(batch_size=8)\n"
               "texts = [f'good film number {i}' for i in range(40)] + [f\"a {'very ' * (i % 5)}bad movie {i}\" for i in range(40)]\n"
               "enc(texts[::3])\n"
-              "print(hashlib.sha256(enc(texts, memoize=False).numpy().tobytes()).hexdigest())\n")
+              "print(hashlib.sha256(enc(texts).numpy().tobytes()).hexdigest())\n")
     digests = {subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONHASHSEED": str(seed)},
                               capture_output=True, text=True, check=True).stdout.strip() for seed in (1, 2)}
     assert len(digests) == 1  # with the batches in a set's order, the hash seeds 1, 2 and 3 give three digests

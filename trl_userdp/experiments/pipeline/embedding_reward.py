@@ -44,18 +44,21 @@ class MiniLMEncoder:
         eos = self.tokenizer.eos_token
         return self.tokenizer([t if t.endswith(eos) else t + eos for t in texts])["input_ids"] if texts else []
 
-    def __call__(self, texts: Sequence[str], progress: bool = False, memoize: bool = True) -> torch.Tensor:
-        return self.embed_ids(self.tokenize(texts), progress, memoize)
+    def __call__(self, texts: Sequence[str], progress: bool = False, cache: bool = True) -> torch.Tensor:
+        return self.embed_ids(self.tokenize(texts), progress, cache)
 
     @torch.no_grad()
-    def embed_ids(self, sequences: Sequence[Sequence[int]], progress: bool = False, memoize: bool = True) -> torch.Tensor:
-        """Embeddings of token-id sequences (unpadded), each computed once by the encoder; ``memoize=False`` computes
-        what is not cached without keeping it (texts seen once, such as sampled completions)."""
+    def embed_ids(self, sequences: Sequence[Sequence[int]], progress: bool = False, cache: bool = True) -> torch.Tensor:
+        """Embeddings of token-id sequences (unpadded), each computed once by the encoder. ``cache=False`` neither reads
+        nor fills the cache: online RL scores that way, so a reward never depends on which texts the reward model was
+        trained on (the cache holds the users' texts; a cached embedding can differ from a fresh one in the last bits,
+        its batch mates being others)."""
         keys = [np.asarray(ids, dtype=np.int64).tobytes() for ids in sequences]
+        stored = self._cache if cache else {}
         computed: Dict[bytes, torch.Tensor] = {}
         # similar lengths batch together; ties in first-seen order, never a set's (its order changes with the process's
         # hash seed, and with it each text's batch mates and the float rounding of its embedding)
-        missing = sorted(dict.fromkeys(k for k in keys if k not in self._cache), key=len)
+        missing = sorted(dict.fromkeys(k for k in keys if k not in stored), key=len)
         starts = range(0, len(missing), self.batch_size)
         limit = self.model.config.max_position_embeddings
         for start in tqdm(starts, desc="embedding", disable=not progress, leave=False):
@@ -65,10 +68,8 @@ class MiniLMEncoder:
             hidden = self.model(**batch).last_hidden_state
             mask = batch["attention_mask"].unsqueeze(-1).float()
             computed.update(zip(batch_keys, (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)))
-        if memoize:
-            self._cache.update(computed)
-        return (torch.stack([self._cache[k] if k in self._cache else computed[k] for k in keys]) if keys
-                else torch.zeros(0, self.dim))
+        stored.update(computed)
+        return torch.stack([stored[k] for k in keys]) if keys else torch.zeros(0, self.dim)
 
 
 class LinearRewardHead(nn.Module):
@@ -107,7 +108,7 @@ class MiniLMRewardModel(PreTrainedModel):
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
-        """PyTorch's own ``nn.Linear`` initialisation (the reward learning rate is tuned for it)."""
+        """PyTorch's own ``nn.Linear`` initialisation (the scale the reward learning rate was chosen with)."""
         if isinstance(module, nn.Linear):
             module.reset_parameters()
 
@@ -131,7 +132,7 @@ class EmbeddingRewardFunction:
     @torch.no_grad()
     def __call__(self, completions: List[str], prompts: Optional[List[str]] = None, **kwargs) -> List[float]:
         texts = [(p or "") + c for p, c in zip(prompts or [""] * len(completions), completions)]
-        return self.head(self.encoder(texts, memoize=False)).tolist()
+        return self.head(self.encoder(texts, cache=False)).tolist()
 
 
 def btl_margin(head: LinearRewardHead, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
