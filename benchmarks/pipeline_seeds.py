@@ -13,7 +13,7 @@ Reported per run: the reward model's held-out pair accuracy and the paired gain 
 half-width); per mechanism and kind of seed: the standard deviation of the gains across seeds next to the mean paired
 half-width. The control for the seed spread is the same spread for the non-private reward model (``none``).
 
-    python -m benchmarks.pipeline_seeds                      # none and user_dpsgd at ε = 8, 4 seeds each: ~8 min
+    python -m benchmarks.pipeline_seeds                      # none and user_dpsgd at ε = 8, 4 seeds each: ~6 min
     python -m benchmarks.pipeline_seeds --mechanisms none randomized_response --epsilon 3 --seeds 6
 """
 
@@ -39,13 +39,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     parser.add_argument("--out", default=RESULTS_DIR, help="where the results file goes")
     parser.add_argument("--work_dir", default="runs/pipeline_seeds", help="where the SFT policy and the policies go")
     parser.add_argument("--pipeline", nargs=argparse.REMAINDER, default=[],
-                        help="PipelineArguments fields as name=value (e.g. n_users=20 rl_steps=2), for small runs")
+                        help="scalar PipelineArguments fields as name=value (e.g. n_users=20 rl_steps=2), for small runs")
     opts = parser.parse_args(argv)
-    fields = {f.name: f.type for f in dataclasses.fields(PipelineArguments)}
+    fields = {f.name: str(f.type) for f in dataclasses.fields(PipelineArguments)}
     overrides = {}
     for item in opts.pipeline:
         name, value = item.split("=", 1)
-        overrides[name] = float(value) if "float" in str(fields[name]) else int(value)
+        if name not in fields or "List" in fields[name]:
+            parser.error(f"--pipeline takes scalar PipelineArguments fields, not {name!r}")
+        overrides[name] = next(t(value) for t in (int, float, str) if t.__name__ in fields[name] or t is str)
     args = PipelineArguments(output_dir=opts.work_dir, mechanisms=opts.mechanisms, **overrides)
 
     data = pipeline.build_sentiment_data(args)
@@ -57,7 +59,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     sft = AutoModelForCausalLM.from_pretrained(sft_path).eval()
     sft_point = pipeline.evaluate_policy(sft, sft, AutoTokenizer.from_pretrained(sft_path), data.test_prompts,
                                          data.gold, args, args.seed + 1)
-    tau = pipeline.public_tau(encoder, emb, data, args) if "aup" in opts.mechanisms else None
 
     runs: List[Dict[str, object]] = []
     plan = [(mech, kind, s) for mech in opts.mechanisms for kind in ("reward", "rl") for s in range(opts.seeds)
@@ -67,7 +68,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         epsilon = None if mech == "none" else opts.epsilon
         reward_seed, rl_seed = (s, 0) if kind == "reward" else (0, s)
         run_args = dataclasses.replace(args, reward_seed=reward_seed, rl_seed=rl_seed)
-        if (mech, reward_seed) not in rewards:
+        if (mech, reward_seed) not in rewards:  # AUP-RLHF's τ at this seed's initial head, as in the pipeline
+            tau = pipeline.public_tau(encoder, emb, data, run_args) if pipeline.needs_public_tau(mech) else None
             rewards[mech, reward_seed] = pipeline.train_reward_model(mech, epsilon, encoder, emb, data, run_args, tau)
         reward = rewards[mech, reward_seed]
         policy = pipeline.train_policy(sft_path, reward, encoder, data, run_args, sft_point)

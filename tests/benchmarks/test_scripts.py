@@ -65,7 +65,6 @@ def test_pipeline_seeds_varies_one_seed_at_a_time(tmp_path):
                                "eval_samples=2", "eval_pairs=20", "rl_completions_per_step=4", "num_generations=2",
                                "completion_tokens=8"])
     assert [(r["reward_seed"], r["rl_seed"]) for r in out["runs"]] == [(0, 0), (1, 0), (0, 1)]
-    assert out["runs"][0]["reward_model_pair_accuracy"] == out["runs"][2]["reward_model_pair_accuracy"]  # one RM
     assert {s["varied"]: s["runs"] for s in out["spread"]} == {"reward seeds": 2, "RL seeds": 2}
     assert all(math.isfinite(s["gain_sd"]) for s in out["spread"])
     assert os.path.exists(tmp_path / "pipeline_seeds.json")

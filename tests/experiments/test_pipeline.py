@@ -92,3 +92,30 @@ def test_randomized_response_cannot_be_compared_under_add_or_remove():
 
     with pytest.raises(ValueError, match="one relation"):
         PipelineArguments(neighboring_relation="add_or_remove", mechanisms=["none", "randomized_response"])
+
+
+def test_the_sft_policy_is_reused_only_with_its_settings_and_evaluation_keeps_the_training_rng(tmp_path):
+    """A saved SFT policy built with other settings is rebuilt, not silently reused; an evaluation inside GRPO draws
+    from its own stream, so each run's rl_seed governs all of its training."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_userdp.experiments.pipeline import sentiment
+
+    args = PipelineArguments(n_users=20, max_samples_per_user=4, users_per_batch=5, sft_steps=1, eval_prompts=6,
+                             eval_samples=2, eval_pairs=20, completion_tokens=4, output_dir=str(tmp_path))
+    data = sentiment.build_sentiment_data(args)
+    path = sentiment.build_sft_policy(data, args)
+    settings = os.path.join(path, sentiment.SFT_SETTINGS_FILE)
+    assert json.load(open(settings))["sft_steps"] == 1
+    stamp = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    assert sentiment.build_sft_policy(data, args) == path and os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
+    args.sft_steps = 2
+    sentiment.build_sft_policy(data, args)
+    assert json.load(open(settings))["sft_steps"] == 2  # rebuilt
+    policy = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    point = sentiment.evaluate_policy(policy, policy, AutoTokenizer.from_pretrained(path), data.test_prompts, data.gold,
+                                      args, seed=1)
+    assert torch.equal(torch.get_rng_state(), before) and math.isfinite(point["gold_reward"])

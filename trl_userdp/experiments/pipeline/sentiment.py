@@ -53,6 +53,9 @@ from .gold import gold_reward
 
 logger = logging.getLogger(__name__)
 
+#: beside the SFT policy: the settings it was built with (a later run reuses it only with the same)
+SFT_SETTINGS_FILE = "pipeline_sft_settings.json"
+
 #: the mechanisms of the published table (docs/pipeline.md); ``--mechanisms`` takes any registered one
 DEFAULT_MECHANISMS = ("none", "randomized_response", "group", "user_dpsgd", "aup")
 
@@ -265,7 +268,7 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
     privacy = dict(privacy_mechanism=mechanism, target_epsilon=epsilon, target_delta=args.delta, accountant="pld",
                    neighboring_relation=args.neighboring_relation, per_user_max_grad_norm=1.0,
                    max_samples_per_user=m, users_per_batch=args.users_per_batch, privacy_seed=seed)
-    if getattr(get_mechanism(mechanism), "adaptive", False):  # AUP-RLHF
+    if needs_public_tau(mechanism):
         privacy.update(users_per_batch=float(args.n_users), max_users_per_batch=args.n_users, concentration_radius=tau)
     config = UserDPRewardConfig(
         output_dir=out_dir, max_steps=steps, per_device_train_batch_size=int(round(args.users_per_batch * m)),
@@ -281,6 +284,11 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
         trainer.privacy_engine.detach()
     correct = pair_correct(model.head, emb[data.eval_pairs[:, 0]], emb[data.eval_pairs[:, 1]])
     return RewardResult(mechanism, epsilon, model.head, report, float(correct.float().mean()), correct)
+
+
+def needs_public_tau(mechanism: str) -> bool:
+    """AUP-RLHF (an adaptive mechanism) takes its concentration radius τ from the public users."""
+    return getattr(get_mechanism(mechanism), "adaptive", False)
 
 
 def public_tau(encoder: MiniLMEncoder, emb: torch.Tensor, data: SentimentData, args: PipelineArguments) -> float:
@@ -326,8 +334,14 @@ def build_sft_policy(data: SentimentData, args: PipelineArguments) -> str:
     from trl import SFTConfig, SFTTrainer
 
     path = os.path.join(args.output_dir, "sft")
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
-        return path
+    # what the SFT policy depends on: reused only when a saved one was built with the same
+    settings = {k: getattr(args, k) for k in ("seed", "n_users", "max_samples_per_user", "snippet_words", "eval_pairs",
+                                              "eval_prompts", "sft_steps", "sft_words")}
+    settings_file = os.path.join(path, SFT_SETTINGS_FILE)
+    if os.path.isfile(os.path.join(path, "model.safetensors")) and os.path.isfile(settings_file):
+        with open(settings_file) as f:
+            if json.load(f) == settings:
+                return path
     model, tokenizer = small_causal_lm(data.pool, seed=args.seed)
     config = SFTConfig(output_dir=path, max_steps=args.sft_steps, per_device_train_batch_size=32, learning_rate=2e-3,
                        lr_scheduler_type="cosine", warmup_steps=20, max_length=48, report_to=[], use_cpu=True,
@@ -339,16 +353,25 @@ def build_sft_policy(data: SentimentData, args: PipelineArguments) -> str:
                          processing_class=tokenizer)
     trainer.train()
     trainer.save_model(path)
+    with open(settings_file, "w") as f:
+        json.dump(settings, f)
     return path
 
 
-@torch.no_grad()
 def evaluate_policy(policy, reference, tokenizer, prompts: Sequence[str], gold, args: PipelineArguments,
                     seed: int) -> Dict[str, object]:
     """Gold reward, KL(π ‖ π_ref) (Monte-Carlo, summed over tokens) and the share of completions that end with EOS,
     from ``eval_samples`` sampled completions per prompt. ``per_prompt`` holds each prompt's mean gold reward: with the
-    same prompts and ``seed`` for every policy, two policies compare prompt by prompt (paired)."""
-    torch.manual_seed(seed)
+    same prompts and ``seed`` for every policy, two policies compare prompt by prompt (paired). The evaluation draws
+    from its own random stream: run inside GRPO, it leaves the training's stream (its ``rl_seed``) as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return _evaluate_policy(policy, reference, tokenizer, prompts, gold, args)
+
+
+@torch.no_grad()
+def _evaluate_policy(policy, reference, tokenizer, prompts: Sequence[str], gold,
+                     args: PipelineArguments) -> Dict[str, object]:
     policy.eval()
     tokenizer.padding_side = "left"
     repeated = [p for p in prompts for _ in range(args.eval_samples)]
@@ -454,8 +477,7 @@ def run_pipeline(args: PipelineArguments) -> Dict[str, object]:
     stages.set_postfix_str("reward models")
     encoder = MiniLMEncoder()
     emb = encoder(data.pool, progress=True)  # every text the reward models train and are evaluated on, embedded once
-    adaptive = any(getattr(get_mechanism(m), "adaptive", False) for m in args.mechanisms)  # AUP-RLHF needs τ
-    tau = public_tau(encoder, emb, data, args) if adaptive else None
+    tau = public_tau(encoder, emb, data, args) if any(map(needs_public_tau, args.mechanisms)) else None
     runs: List[Tuple[str, Optional[float]]] = [("none", None)] if "none" in args.mechanisms else []
     runs += [(mech, eps) for eps in args.epsilons for mech in args.mechanisms if mech != "none"]
     rewards = [train_reward_model(mech, eps, encoder, emb, data, args, tau)
