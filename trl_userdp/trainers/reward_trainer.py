@@ -15,7 +15,7 @@ class UserDPRewardTrainer(UserDPTrainerMixin, RewardTrainer):
     user column in ``train_dataset``. Under ``randomized_response`` the loss is the de-biased one
     (:class:`~trl_userdp.losses.RRDebiasedRewardLoss` at ε/m per label) on the privatized labels, normalised so that
     its gradient is an unbiased estimate of the clean BTL gradient: the learning rate means what it means without
-    privacy, as in the DPO trainer's rDPO loss (unnormalised, the gradient shrinks by 2σ(ε/m) − 1: 0.30 at ε = 3,
+    privacy, as in the DPO trainer's rDPO loss (unnormalised, the gradient shrinks by 2σ(ε/m) − 1: 0.15 at ε = 3,
     m = 10)."""
 
     config_class = UserDPRewardConfig
