@@ -13,7 +13,7 @@ Reported per run: the reward model's held-out pair accuracy and the paired gain 
 half-width); per mechanism and kind of seed: the standard deviation of the gains across seeds next to the mean paired
 half-width. The control for the seed spread is the same spread for the non-private reward model (``none``).
 
-    python -m benchmarks.pipeline_seeds                      # none and user_dpsgd at ε = 8, 4 seeds each: ~6 min
+    python -m benchmarks.pipeline_seeds                      # none and user_dpsgd at ε = 8, 4 seeds each: ~7 min
     python -m benchmarks.pipeline_seeds --mechanisms none randomized_response --epsilon 3 --seeds 6
 """
 
