@@ -166,6 +166,11 @@ class SentimentData:
     gold: object
     card: Dict[str, object]
 
+    def preference_rows(self, user_column: str = "user_id") -> Dict[str, list]:
+        """The private users' pairs as text columns (``chosen``, ``rejected``, the user column), as TRL takes them."""
+        return {"chosen": [self.pool[i] for i in self.pairs[:, 0]], "rejected": [self.pool[i] for i in self.pairs[:, 1]],
+                user_column: self.users.tolist()}
+
 
 def build_sentiment_data(args: PipelineArguments) -> SentimentData:
     texts, labels = load_imdb_reviews()
@@ -216,13 +221,10 @@ def imdb_preference_dataset(n_users: int = 200, pairs_per_user: int = 10, *, pro
     :func:`build_sentiment_data`."""
     args = PipelineArguments(n_users=n_users, max_samples_per_user=pairs_per_user, seed=seed,
                              users_per_batch=min(40.0, n_users))  # ñ is not used here, but must be ≤ n
-    built = build_sentiment_data(args)
-    chosen = [built.pool[i] for i in built.pairs[:, 0]]
-    rejected = [built.pool[i] for i in built.pairs[:, 1]]
-    rows = {"chosen": chosen, "rejected": rejected, user_column: built.users.tolist()}
+    rows = build_sentiment_data(args).preference_rows(user_column)
     if prompt is not None:
-        rows = {"prompt": [prompt] * len(chosen), "chosen": [" " + t for t in chosen],
-                "rejected": [" " + t for t in rejected], user_column: built.users.tolist()}
+        rows = {"prompt": [prompt] * len(rows["chosen"]), "chosen": [" " + t for t in rows["chosen"]],
+                "rejected": [" " + t for t in rows["rejected"]], user_column: rows[user_column]}
     return Dataset.from_dict(rows)
 
 
@@ -262,8 +264,7 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
     out_dir = os.path.join(args.output_dir, "reward_models", name)
     shutil.rmtree(out_dir, ignore_errors=True)  # randomized response reuses a saved draw: never one of an older run
     m, seed = args.max_samples_per_user, args.reward_training_seed
-    dataset = Dataset.from_dict({"chosen": [data.pool[i] for i in data.pairs[:, 0]],
-                                 "rejected": [data.pool[i] for i in data.pairs[:, 1]], "user_id": data.users.tolist()})
+    dataset = Dataset.from_dict(data.preference_rows())
     steps = int(round(args.reward_epochs * args.n_users / args.users_per_batch))
     privacy = dict(privacy_mechanism=mechanism, target_epsilon=epsilon, target_delta=args.delta, accountant="pld",
                    neighboring_relation=args.neighboring_relation, per_user_max_grad_norm=1.0,
