@@ -134,11 +134,11 @@ def noise_draws(monkeypatch):
     return draws
 
 
-def _seeded_run(output_dir, resume=None):
+def _seeded_run(output_dir, resume=None, **extra):
     tokenizer = tiny_tokenizer()
     model = tiny_reward_model(tokenizer)
     args = UserDPRewardConfig(output_dir=output_dir, max_steps=6, **{**COMMON, **SEEDED, "save_strategy": "steps",
-                                                                     "save_steps": 3})
+                                                                     "save_steps": 3, **extra})
     trainer = UserDPRewardTrainer(model=model, args=args, processing_class=tokenizer,
                                   train_dataset=text_preference_dataset(n_users=8, pairs_per_user=3))
     trainer.train(resume_from_checkpoint=resume)
@@ -158,6 +158,18 @@ def test_a_resumed_seeded_run_draws_new_noise_and_continues_the_uninterrupted_ru
             assert not any(torch.equal(a, b) for a, b in zip(draw, earlier)), f"step {k} replays an earlier step"
         assert all(torch.equal(a, b) for a, b in zip(draw, steps[k - 1]))  # ... but exactly steps 4-6
     for a, b in zip(resumed.model.parameters(), straight.model.parameters()):  # same users sampled too
+        assert torch.allclose(a, b, atol=1e-6)
+    assert resumed.privacy_engine.accountant.steps_taken == 6
+
+
+def test_a_resume_with_ignore_data_skip_draws_the_next_users_not_the_epochs_first(tmp_path):
+    """Issue 24, finding 5: with ``ignore_data_skip=True`` the Trainer restarts the epoch without skipping the steps
+    already taken; the user draws must still continue the run (steps 4-6's users), not replay the epoch's first."""
+    straight = _seeded_run(str(tmp_path / "run"), ignore_data_skip=True)
+    sampler = straight.privacy_engine.data_loader.user_sampler
+    assert sampler.steps > 1  # the resumed step 4 lies inside an epoch, so the Trainer does restart that epoch
+    resumed = _seeded_run(str(tmp_path / "run"), resume=str(tmp_path / "run" / "checkpoint-3"), ignore_data_skip=True)
+    for a, b in zip(resumed.model.parameters(), straight.model.parameters()):  # same users as the straight run
         assert torch.allclose(a, b, atol=1e-6)
     assert resumed.privacy_engine.accountant.steps_taken == 6
 

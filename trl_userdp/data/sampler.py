@@ -80,6 +80,10 @@ class UserPoissonSampler(Sampler[List[int]]):
         #: ``derive_seed(seed, "sampling", t)``, so setting it (the engine does on resume, to the accounted steps)
         #: continues the run's stream instead of replaying it. Without a seed every draw is fresh OS randomness.
         self.position = 0
+        #: draws a resumed run takes in its first epoch without replaying them (transformers' ``ignore_data_skip``:
+        #: the Trainer starts the epoch at its first draw instead of skipping the ones already taken); every later
+        #: epoch starts that many draws later too, so no position is ever drawn twice
+        self.resume_offset = 0
         self.num_replicas = num_replicas
         self.rank = rank
 
@@ -88,8 +92,8 @@ class UserPoissonSampler(Sampler[List[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Continue at the first step of epoch ``epoch`` (transformers' Trainer calls this, then skips the steps a
-        resumed run already took): see :attr:`position`."""
-        self.position = int(epoch) * self.steps
+        resumed run already took), shifted by :attr:`resume_offset`: see :attr:`position`."""
+        self.position = int(epoch) * self.steps + self.resume_offset
 
     def sample_users(self) -> torch.Tensor:
         """One step's users (all ranks): Poisson with rate q, truncated to ``max_users_per_batch``."""

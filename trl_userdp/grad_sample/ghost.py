@@ -28,7 +28,9 @@ nothing, as in the materialised path.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleHooksFastGradientClipping
@@ -37,6 +39,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import conv1d  # noqa: F401  (registers Conv1D's samplers with Opacus)
+from .precision import round_down
 from .user_hooks import UserGradSampleHooks
 
 #: layer types whose per-sample gradient is a sum over positions, so packing a unit's rows along positions is exact
@@ -51,12 +54,54 @@ def _pack(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return padded.reshape(index.shape[0], -1, t.shape[-1]) if t.is_floating_point() else padded.reshape(index.shape[0], -1)
 
 
+def packing_index(slots: torch.Tensor, n_units: int) -> torch.Tensor:
+    """``[U, L]``: the rows of each unit in order (``slots[r]`` = row ``r``'s unit), padded with ``R`` (a zero row)."""
+    n_rows = len(slots)
+    counts = torch.bincount(slots, minlength=n_units)
+    order = torch.argsort(slots, stable=True)
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(n_rows) - start[slots[order]]
+    index = torch.full((n_units, int(counts.max()) if n_rows else 0), n_rows, dtype=torch.long)
+    index[slots[order], rank] = order
+    return index
+
+
 def _as_one_sample(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, -1, t.shape[-1]) if t.is_floating_point() else t.reshape(1, -1)
 
 
 def _rows_view(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return mask.to(t.device).view(-1, *([1] * (t.dim() - 1)))
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Floating tensors in fp32 (no copy when they are), token ids as they are."""
+    return t.float() if t.is_floating_point() else t
+
+
+#: the unit roundoff of fp32, in which every ghost norm and book-kept sum is computed
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+#: a Gram norm is used as computed while its rounding bound is at most this share of it (else the bound is added)
+TRUSTED_SHARE = 1e-2
+
+
+@dataclass
+class LayerRecord:
+    """What one packable layer left in the current micro-batch.
+
+    Gram route: ``passes`` holds each backward pass's ``(activations, output gradients, scale)`` (kept for the
+    book-kept sum), ``norm2`` the units' ``‖G_u‖²`` and ``bound`` ``S_u = Σ_{positions of u} ‖a‖‖g‖`` (≥ ‖G_u‖, the
+    scale of the rounding error; ``rounding`` its relative constant). Direct route, or several passes of a layer
+    whose shapes differ: ``unit_grads`` ``{param: [U, *p.shape]}``, summed over the passes, their norms taken at
+    the flush from the very tensors that are added.
+    """
+
+    params: List[nn.Parameter]
+    passes: List[Tuple[List[torch.Tensor], torch.Tensor, float]] = field(default_factory=list)
+    unit_grads: Optional[Dict[nn.Parameter, torch.Tensor]] = None
+    norm2: Optional[torch.Tensor] = None
+    bound: Optional[torch.Tensor] = None
+    rounding: float = 0.0
 
 
 class UserGhostHooks(UserGradSampleHooks):
@@ -119,10 +164,8 @@ class UserGhostHooks(UserGradSampleHooks):
                              "micro-batch's backward pass before optimizer.step().")
 
     def _reset_micro_batch(self) -> None:
-        #: per packable layer: (module, activations, output gradients, their scale) or (module, {param: [U, *p.shape]},
-        #: None, 1.0)
-        self._records: List[Tuple[nn.Module, Any, Optional[torch.Tensor], float]] = []
-        self._norm2: Optional[torch.Tensor] = None
+        #: per packable layer of the current micro-batch, what its backward passes left
+        self._records: Dict[nn.Module, LayerRecord] = {}
         self._index: Optional[torch.Tensor] = None
         self.unit_ids, self._slot_of, self.unit_counts = [], {}, torch.zeros(0)
         self._counted_serial, self._row_slots = None, None
@@ -172,6 +215,7 @@ class UserGhostHooks(UserGradSampleHooks):
         params = [p for _, p in trainable_parameters(module)]
         for p in params:
             p._forward_counter -= 1
+            p._row_dtype = backprops.dtype  # the self-check's tolerance follows it (bf16 rows under autocast)
         slots = self._slots_for_current_batch()
         if backprops.shape[0] != len(slots):
             self._row_mismatch(params[0], backprops.shape[0], len(slots))
@@ -180,13 +224,20 @@ class UserGhostHooks(UserGradSampleHooks):
         if self.record_row_norms:  # the self-check's tolerance: Σ_r ‖row gradient‖ / R
             for p, norms in NORM_SAMPLERS[type(module)](module, activations, backprops).items():
                 p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + scale * float(norms.sum()) / len(slots)
-        norm2, unit_grads = self._unit_norms2(module, activations, backprops, slots)
-        norm2 = norm2 * scale ** 2
-        self._norm2 = norm2 if self._norm2 is None else self._norm2 + norm2.to(self._norm2.device)
-        if unit_grads is None:
-            self._records.append((module, activations, backprops, scale))
-        else:
-            self._records.append((module, {p: g.mul_(scale) for p, g in unit_grads.items()}, None, 1.0))
+        record = self._records.get(module)
+        if record is None:
+            record = self._records[module] = LayerRecord(params)
+            if self._direct_route(module, activations, backprops, slots):
+                record.unit_grads = self._unit_grads(module, activations, backprops, slots, scale)
+            else:
+                record.passes.append((activations, backprops, scale))
+                record.norm2, record.bound, record.rounding = self._gram_norms2(module, record.passes, slots)
+        elif record.unit_grads is not None:  # another backward pass through a layer on the direct route
+            for p, g in self._unit_grads(module, activations, backprops, slots, scale).items():
+                record.unit_grads[p] += g
+        else:  # another backward pass through a layer on the Gram route: its norms are those of the summed passes
+            record.passes.append((activations, backprops, scale))
+            record.norm2 = None  # computed at the flush over all passes (cross terms between them included)
         self.touched.update(params)
 
     def _accumulate(self, p: nn.Parameter, rows: torch.Tensor) -> None:
@@ -196,40 +247,83 @@ class UserGhostHooks(UserGradSampleHooks):
 
     # -- norms and clipped sums ---------------------------------------------------------------
     def _packing_index(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[U, L]``: the rows of each unit of this micro-batch in order, padded with ``R`` (cached per micro-batch)."""
+        """:func:`packing_index` of this micro-batch (cached)."""
         if self._index is None:
-            n_rows, n_units = len(slots), len(self.unit_ids)
-            counts = torch.bincount(slots, minlength=n_units)
-            order = torch.argsort(slots, stable=True)
-            start = torch.cumsum(counts, 0) - counts
-            rank = torch.arange(n_rows) - start[slots[order]]
-            self._index = torch.full((n_units, int(counts.max()) if n_rows else 0), n_rows, dtype=torch.long)
-            self._index[slots[order], rank] = order
+            self._index = packing_index(slots, len(self.unit_ids))
         return self._index
 
-    def _unit_norms2(self, module: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
-                     slots: torch.Tensor) -> Tuple[torch.Tensor, Optional[Dict[nn.Parameter, torch.Tensor]]]:
-        """``‖Σ_{r∈u} ∇ℓ_r‖²`` over this layer's parameters, per unit ``[U]``; on the direct route also the unit
-        gradients ``{param: [U, *p.shape]}`` (kept instead of the activations: then they are smaller). With one row per
-        unit the rows are the units (no packed copies), reordered."""
-        index = self._packing_index(slots)
-        one_row = index.shape[1] == 1
-        if one_row:
-            rows = index[:, 0].to(backprops.device)
-            packed_a, packed_g = activations, backprops
-        else:
-            packed_a, packed_g = [_pack(a, index) for a in activations], _pack(backprops, index)
+    def _direct_route(self, module: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
+                      slots: torch.Tensor) -> bool:
+        """Whether this layer's unit gradients ``[U, p, d]`` are cheaper than its Gram matrices (never for an
+        embedding: its unit gradient is a vocabulary-sized table)."""
+        if isinstance(module, nn.Embedding) or self.norm_route == "gram":
+            return False
         weight = getattr(module, "weight", None)
+        if self.norm_route == "direct" or weight is None:
+            return self.norm_route == "direct"
+        positions = self._packing_index(slots).shape[1] * (backprops[0].numel() // backprops.shape[-1])
+        return positions * (activations[0].shape[-1] + backprops.shape[-1]) > weight.numel()
+
+    def _unit_grads(self, module: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
+                    slots: torch.Tensor, scale: float) -> Dict[nn.Parameter, torch.Tensor]:
+        """The direct route: each unit's gradient ``{param: [U, *p.shape]}`` from Opacus's grad sampler on the packed
+        rows (with one row per unit, the rows themselves, reordered)."""
+        index = self._packing_index(slots)
+        if index.shape[1] == 1:
+            rows = index[:, 0].to(backprops.device)
+            grads = {p: g.index_select(0, rows) for p, g in self.GRAD_SAMPLERS[type(module)](
+                module, activations, backprops).items() if p.requires_grad}
+        else:
+            grads = {p: g for p, g in self.GRAD_SAMPLERS[type(module)](
+                module, [_pack(a, index) for a in activations], _pack(backprops, index)).items() if p.requires_grad}
+        return {p: g.mul_(scale) if scale != 1.0 else g for p, g in grads.items()}
+
+    def _gram_norms2(self, module: nn.Module, passes: List[Tuple[List[torch.Tensor], torch.Tensor, float]],
+                     slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, float]:
+        """The Gram route, in fp32 whatever the layer's dtype: ``(‖G_u‖², S_u, e)`` per unit ``[U]``, where
+        ``G_u = Σ_k Σ_{r∈u} ∇ℓ_r`` over the backward passes ``k`` of this micro-batch (their rows laid end to end, so
+        the cross terms between passes count), ``S_u`` the sum over the unit's positions of ``‖a‖·‖g‖`` (plus
+        ``‖g‖`` for a bias; ``‖G_u‖ ≤ S_u``) and ``e`` the relative rounding constant: the computed ``‖G_u‖²`` is
+        within ``e·S_u²`` of the exact one, with ``e = 4u(√d + √p + N)`` for fp32's unit roundoff ``u``, inner
+        products of lengths ``d`` and ``p`` and a sum of ``N²`` Gram terms (probabilistic rounding bounds,
+        Higham & Mary 2019, with margin)."""
+        if len(passes) == 1:
+            activations, backprops, scale = passes[0]
+            index = self._packing_index(slots)
+        else:
+            try:
+                activations = [torch.cat([ps[0][i] for ps in passes]) for i in range(len(passes[0][0]))]
+                backprops = torch.cat([ps[1] * ps[2] for ps in passes])
+            except RuntimeError as err:
+                raise ValueError("Ghost clipping: several backward passes through one layer in one micro-batch need "
+                                 "inputs of one shape; use grad_sample_mode='hooks'.") from err
+            scale, slots = 1.0, slots.repeat(len(passes))
+            index = packing_index(slots, len(self.unit_ids))
+        activations, backprops = [_fp32(a) for a in activations], _fp32(backprops)
+        if index.shape[1] == 1:
+            order = index[:, 0].to(backprops.device)
+            norms = NORM_SAMPLERS[type(module)](module, activations, backprops)
+            norm2 = torch.stack([n.float().pow(2) for p, n in norms.items() if p.requires_grad]).sum(0)
+            norm2 = norm2.index_select(0, order)
+        else:
+            norms = NORM_SAMPLERS[type(module)](module, [_pack(a, index) for a in activations], _pack(backprops, index))
+            norm2 = torch.stack([n.float().pow(2) for p, n in norms.items() if p.requires_grad]).sum(0)
+        # S_u: per row, Σ over positions of ‖a‖‖g‖ (weight; ‖g‖ alone for an embedding) and ‖g‖ (bias), per unit
+        g_norm = torch.linalg.vector_norm(backprops, dim=-1).reshape(backprops.shape[0], -1)
+        a = activations[0]
+        weight_terms = g_norm if not a.is_floating_point() else \
+            g_norm * torch.linalg.vector_norm(a, dim=-1).reshape(a.shape[0], -1)
+        per_row = [weight_terms.sum(1)]
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and bias.requires_grad:
+            per_row.append(g_norm.sum(1))
+        slots_dev = slots.to(g_norm.device)
+        bound2 = sum(torch.zeros(len(self.unit_ids), device=g_norm.device).index_add_(0, slots_dev, t).pow(2)
+                     for t in per_row)
+        d = a.shape[-1] if a.is_floating_point() else 1
         positions = index.shape[1] * (backprops[0].numel() // backprops.shape[-1])
-        gram_cost = positions * (activations[0].shape[-1] + backprops.shape[-1])
-        direct = gram_cost > weight.numel() if self.norm_route == "auto" and weight is not None else self.norm_route == "direct"
-        if direct and not isinstance(module, nn.Embedding):
-            grads = {p: g if not one_row else g.index_select(0, rows)
-                     for p, g in self.GRAD_SAMPLERS[type(module)](module, packed_a, packed_g).items() if p.requires_grad}
-            return torch.stack([g.flatten(1).float().pow(2).sum(1) for g in grads.values()]).sum(0), grads
-        norms = NORM_SAMPLERS[type(module)](module, packed_a, packed_g)
-        norm2 = torch.stack([n.float().pow(2) for p, n in norms.items() if p.requires_grad]).sum(0)
-        return (norm2.index_select(0, rows) if one_row else norm2), None
+        rounding = 4 * FP32_UNIT_ROUNDOFF * (math.sqrt(d) + math.sqrt(backprops.shape[-1]) + positions)
+        return norm2 * scale ** 2, bound2.sqrt() * scale, rounding
 
     def _whole_batch_gradient(self, module: nn.Module, activations: List[torch.Tensor],
                               backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
@@ -242,49 +336,91 @@ class UserGhostHooks(UserGradSampleHooks):
         self.clipped[p] = grad if p not in self.clipped else self.clipped[p] + grad
 
     def _flush(self) -> None:
-        """Clip the current micro-batch's units and add ``Σ_u c_u ḡ_u`` to the step's sums; free its tensors."""
+        """Clip the current micro-batch's units and add ``Σ_u c_u ḡ_u`` to the step's sums; free its tensors.
+
+        A unit's norm is an upper bound on the norm of what is added for it: the direct route's and the materialised
+        layers' norms are taken from the very tensors that are added, and a Gram norm whose rounding bound ``e·S_u²``
+        exceeds :data:`TRUSTED_SHARE` of it is raised by that bound (a unit whose rows nearly cancel, in any dtype),
+        so that rounding never lets a unit past the clip (docs/privacy_model.md, "Precision")."""
         n_units = len(self.unit_ids)
         if n_units == 0 or self._row_slots is None:
             self._reset_micro_batch()
             return
         if self.clip_factors is None:
             raise ValueError("UserGhostHooks needs clip_factors (the optimizer sets it).")
-        counts = self.unit_counts
-        norm2 = self._norm2.cpu() if self._norm2 is not None else torch.zeros(n_units)
-        fallback = [(p, p._unit_grad) for p in self.param_names if getattr(p, "_unit_grad", None) is not None]
-        for _, sums in fallback:
-            norm2 = norm2 + sums.flatten(1).float().pow(2).sum(1).cpu()
-        materialised = len(fallback)  # the direct route's unit gradients join below (their norms are in norm2)
-        norms = norm2.sqrt() / counts  # the norm of each unit's average
+        counts, row_slots = self.unit_counts, self._row_slots
+        for module, record in list(self._records.items()):
+            if any(getattr(p, "_unit_grad", None) is not None for p in record.params):
+                # the layer also went through the materialised hooks in this micro-batch (it ran twice in a later
+                # forward pass): its passes join those sums, so the norm is the norm of their total
+                for p, g in self._record_unit_grads(module, record, row_slots).items():
+                    self._accumulate_unit_sum(p, g)
+                del self._records[module]
+        materialised = [(p, p._unit_grad) for p in self.param_names if getattr(p, "_unit_grad", None) is not None]
+        direct = [(p, g) for record in self._records.values() if record.unit_grads is not None
+                  for p, g in record.unit_grads.items()]
+        norm2, rounding2 = torch.zeros(n_units), torch.zeros(n_units)
+        for _, sums in materialised + direct:
+            norm2 += torch.linalg.vector_norm(sums.flatten(1), dim=1, dtype=torch.float32).pow(2).cpu()
+        for module, record in self._records.items():
+            if record.unit_grads is None:
+                if record.norm2 is None:  # several passes: the norms of their sum
+                    record.norm2, record.bound, record.rounding = self._gram_norms2(module, record.passes, row_slots)
+                norm2 += record.norm2.cpu()
+                rounding2 += record.rounding * record.bound.cpu().pow(2)
+        norm2 = torch.where(rounding2 > TRUSTED_SHARE * norm2, norm2 + rounding2, norm2)
+        norms = norm2.sqrt() / counts  # (a bound on) the norm of each unit's average
         bad = ~torch.isfinite(norms)
         norms = norms.masked_fill(bad, 0.0)
+        self.unit_norms.append(norms)
         weights = torch.where(bad, torch.zeros(()), self.clip_factors(norms).cpu() / counts)  # c_u / n_u
-        row_slots = self._row_slots
         rows_bad, row_weights = bad[row_slots], weights[row_slots]
-        for module, activations, backprops, scale in self._records:
-            if backprops is None:  # the direct route's unit gradients
-                fallback.extend(activations.items())
-                continue
-            if self.record_row_norms:  # what autograd's gradient of this micro-batch must be: Σ_r ∇ℓ_r / R
-                check = backprops if scale == len(row_slots) else backprops * (scale / len(row_slots))
-                for p, g in self._whole_batch_gradient(module, activations, check).items():
-                    p._check_sum = getattr(p, "_check_sum", 0.0) + g
-            if bad.any():
-                backprops = backprops.masked_fill(_rows_view(rows_bad, backprops), 0)
-                activations = [a.masked_fill(_rows_view(rows_bad, a), 0) if a.is_floating_point() else a
-                               for a in activations]
-            scaled = backprops * _rows_view(row_weights * scale, backprops).to(backprops.dtype)
-            for p, g in self._whole_batch_gradient(module, activations, scaled).items():
-                self._add(p, g)
-        for i, (p, sums) in enumerate(fallback):
-            if self.record_row_norms and i >= materialised:  # the hooks recorded the others' check sums already
+        for module, record in self._records.items():
+            for activations, backprops, scale in record.passes:
+                if self.record_row_norms:  # what autograd's gradient of this micro-batch must be: Σ_r ∇ℓ_r / R
+                    check = backprops if scale == len(row_slots) else backprops * (scale / len(row_slots))
+                    for p, g in self._whole_batch_gradient(module, activations, check).items():
+                        p._check_sum = getattr(p, "_check_sum", 0.0) + g
+                if bad.any():
+                    backprops = backprops.masked_fill(_rows_view(rows_bad, backprops), 0)
+                    activations = [a.masked_fill(_rows_view(rows_bad, a), 0) if a.is_floating_point() else a
+                                   for a in activations]
+                # the book-kept sum in fp32 (weights c_u/n_u per row), cast to the parameter's dtype once
+                scaled = _fp32(backprops) * _rows_view(row_weights * scale, backprops)
+                for p, g in self._whole_batch_gradient(module, [_fp32(a) for a in activations], scaled).items():
+                    self._add(p, g)
+        for i, (p, sums) in enumerate(materialised + direct):
+            if self.record_row_norms and i >= len(materialised):  # the hooks recorded the others' check sums already
                 p._check_sum = getattr(p, "_check_sum", 0.0) + sums.sum(0) / len(row_slots)
             if bad.any():
                 sums = sums.masked_fill(_rows_view(bad, sums), 0)
-            self._add(p, torch.einsum("u,u...->...", weights.to(sums.device, sums.dtype), sums))
+            unit_weights = round_down(weights, sums.dtype).to(sums.device)
+            self._add(p, torch.einsum("u,u...->...", unit_weights, sums))
         self.units_seen.update(self.unit_ids)
         self.non_finite_units |= bool(bad.any())
         self._reset_micro_batch()
+
+    def _record_unit_grads(self, module: nn.Module, record: LayerRecord,
+                           row_slots: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+        """A record's unit gradients ``{param: [U, *p.shape]}``, summed over its passes (materialised if on the Gram
+        route)."""
+        if record.unit_grads is not None:
+            return record.unit_grads
+        total: Dict[nn.Parameter, torch.Tensor] = {}
+        for activations, backprops, scale in record.passes:
+            for p, g in self._unit_grads(module, activations, backprops, row_slots, scale).items():
+                total[p] = g if p not in total else total[p] + g
+        return total
+
+    def _accumulate_unit_sum(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        acc = getattr(p, "_unit_grad", None)
+        if acc is None or acc.shape[0] < g.shape[0]:
+            grown = torch.zeros_like(g)
+            if acc is not None:
+                grown[: acc.shape[0]] += acc
+            acc = grown
+        acc[: g.shape[0]] += g.to(acc.dtype)
+        p._unit_grad = p.grad_sample = acc
 
     def remove_hooks(self) -> None:
         for handle in self._grad_hooks:

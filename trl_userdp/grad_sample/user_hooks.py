@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import torch
 from opacus.grad_sample import GradSampleHooks
-from opacus.utils.module_utils import trainable_parameters
+from opacus.utils.module_utils import trainable_modules, trainable_parameters
 from torch import nn
 
 
@@ -51,22 +51,38 @@ class UserGradSampleHooks(GradSampleHooks):
         drawn: a second draw before the step would merge two Poisson draws into one accounted step,
         and a loader wrapper that reads ahead would pair a batch with the next batch's users. Both
         raise here. ``continuation=True`` declares another piece (micro-batch) of the batch already
-        drawn for this step; ``None`` discards the pending batch unused.
+        drawn for this step; ``None`` discards the pending batch unused: with it every per-unit sum, count and
+        autograd gradient of the step so far, so nothing of a discarded draw reaches a later step.
         """
-        if row_users is not None:
-            if continuation and self._pending is None:
-                raise ValueError("continuation=True needs a batch drawn for this step first.")
-            if not continuation and self._pending is not None:
-                raise ValueError(
-                    "The loader drew a new batch before optimizer.step() used the previous one. Call "
-                    "optimizer.step() once per batch (also for empty ones), and iterate the loader returned by "
-                    "make_private_user_level directly: wrappers that read ahead (prefetchers, accelerate.prepare) "
-                    "would pair a batch with another batch's users, and merging draws breaks the accounting. To skip a "
-                    "drawn batch on purpose, discard it first with `optimizer.hooks.set_row_users(None)` (nothing is "
-                    "accounted for it)."
-                )
-            row_users = torch.as_tensor(row_users, dtype=torch.long)
+        if row_users is None:
+            self.discard_step()
+            return
+        if continuation and self._pending is None:
+            raise ValueError("continuation=True needs a batch drawn for this step first.")
+        if not continuation and self._pending is not None:
+            raise ValueError(
+                "The loader drew a new batch before optimizer.step() used the previous one. Call "
+                "optimizer.step() once per batch (also for empty ones), and iterate the loader returned by "
+                "make_private_user_level directly: wrappers that read ahead (prefetchers, accelerate.prepare) "
+                "would pair a batch with another batch's users, and merging draws breaks the accounting. To skip a "
+                "drawn batch on purpose, discard it first with `optimizer.hooks.set_row_users(None)` (nothing is "
+                "accounted for it)."
+            )
+        row_users = torch.as_tensor(row_users, dtype=torch.long)
         self._pending = row_users
+        self._serial += 1
+
+    def discard_step(self) -> None:
+        """Forget the drawn batch and everything its backward passes left (per-unit sums, the users' norms,
+        autograd's ``p.grad``): a discarded draw is not accounted, so none of it may enter the next step's update."""
+        self.reset_step(clear_pending=True)
+        for p in self.param_names:
+            p.grad = None
+            p._forward_counter = 0
+        for _, module in trainable_modules(self._module):
+            module.activations = []  # a forward pass of the discarded batch that had no backward pass
+            if hasattr(module, "max_batch_len"):
+                del module.max_batch_len
         self._serial += 1
 
     def reset_step(self, clear_pending: bool = True) -> None:
@@ -80,6 +96,9 @@ class UserGradSampleHooks(GradSampleHooks):
         self._row_slots: Optional[torch.Tensor] = None
         #: the per-unit averages, once the optimizer has turned the sums into them (in place) for this step
         self.unit_averages: Optional[List[torch.Tensor]] = None
+        #: the norms the clip factors of this step were computed from, one tensor per clipping (every unit of the
+        #: step once): what adaptive clipping counts (``‖g_u‖ ≤ C``) for the whole draw, whatever its batching
+        self.unit_norms: List[torch.Tensor] = []
         if clear_pending:
             self._pending = None
         for p in self.param_names:
@@ -150,6 +169,7 @@ class UserGradSampleHooks(GradSampleHooks):
             p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + float(torch.linalg.vector_norm(rows.flatten(1), dim=1).sum()) / n
         p._unit_grad = acc
         p.grad_sample = acc
+        p._row_dtype = rows.dtype  # the self-check's tolerance follows it (bf16 rows under autocast)
 
     def received_gradient(self, p: nn.Parameter) -> bool:
         """Whether autograd gave ``p`` a non-zero gradient in this step (a use the hooks must have seen)."""

@@ -69,12 +69,11 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
         self.count_noise_multiplier = float(count_noise_multiplier)
         self.gradient_noise_multiplier = gradient_noise_multiplier(self.noise_multiplier, self.count_noise_multiplier)
         self.initial_max_grad_norm = float(self.max_grad_norm)
-        self._unclipped = 0
 
-    def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
-        """Opacus's factors at the current ``C_t``, and the count of users within it (``‖g_u‖ ≤ C_t``)."""
-        self._unclipped += int((norms <= self.max_grad_norm).sum())
-        return super().clip_factors(norms)
+    def within_clip(self) -> int:
+        """The step's count of users within the clip, ``Σ_u b_u`` with ``b_u = [‖g_u‖ ≤ C_t]``, over every unit of the
+        draw: the norms the clip factors were computed from (all micro-batches and physical batches of the draw)."""
+        return sum(int((norms <= self.max_grad_norm).sum()) for norms in self.hooks.unit_norms)
 
     def add_noise(self) -> None:
         """Gradient noise ``N(0, (σ_Δ C_t)²)``; then the noisy centred count moves the clip for the next step."""
@@ -84,19 +83,12 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
                                     generator=self.generator, secure_mode=self.secure_mode)
             p.grad = (p.summed_grad + noise).view_as(p)
             _mark_as_processed(p.summed_grad)
-        centred = self._unclipped - self.units_in_step / 2
+        centred = self.within_clip() - self.units_in_step / 2
         reference = torch.zeros((), device=self.params[0].device if self.params else "cpu")
         noisy = centred + float(_generate_noise(std=self.count_noise_multiplier, reference=reference,
                                                 generator=self.generator, secure_mode=self.secure_mode))
         self.max_grad_norm = next_clip(self.max_grad_norm, noisy, self.expected_batch_size, self.target_quantile,
                                        self.clip_learning_rate)
-
-    def step(self, closure=None):
-        """One step; the count starts again at 0 for the next one (also after a skipped or failed step)."""
-        try:
-            return super().step(closure)
-        finally:
-            self._unclipped = 0
 
     @property
     def units_in_step(self) -> int:

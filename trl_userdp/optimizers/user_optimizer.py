@@ -18,6 +18,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from torch.optim import Optimizer
 
 from ..grad_sample import UserGradSampleHooks
+from ..grad_sample.precision import round_down
 from ..seeding import derive_seed
 
 
@@ -202,7 +203,8 @@ class UserDPOptimizer(DPOptimizer):
             expected = p.grad.reshape(p.shape).float()
             s = torch.zeros_like(expected) if s is None else s.float()
             err = float(torch.linalg.vector_norm(s - expected))
-            rtol = max(1e-3, 16 * torch.finfo(p.dtype).eps)
+            # the precision the row gradients were computed in (bf16 under autocast, whatever the parameter's)
+            rtol = max(1e-3, 16 * torch.finfo(p.dtype).eps, 16 * torch.finfo(getattr(p, "_row_dtype", p.dtype)).eps)
             scale = max(float(torch.linalg.vector_norm(expected)), getattr(p, "_row_norm_sum", 0.0),
                         whole * math.sqrt(p.numel() / numel))
             if not err <= rtol * scale + 1e-12:
@@ -232,13 +234,17 @@ class UserDPOptimizer(DPOptimizer):
             for p, summed in zip(self.params, self.hooks.clipped_sums(self.params)):
                 p.summed_grad = summed
             return
-        norms = [g.flatten(1).norm(2, dim=-1) for g in self.grad_samples]  # flatten(1): an empty step has 0 rows
+        # norms in fp32 whatever the gradients' dtype (flatten(1): an empty step has 0 rows)
+        norms = [torch.linalg.vector_norm(g.flatten(1), dim=-1, dtype=torch.float32) for g in self.grad_samples]
         norms = torch.stack([n.to(norms[0].device) for n in norms], dim=1).norm(2, dim=1)
+        self.hooks.unit_norms.append(norms)
         factor = self.clip_factors(norms)
         for p in self.params:
             _check_processed_flag(p.grad_sample)
             grad_sample = self._get_flat_grad_sample(p).to(p.dtype)  # as Opacus: sums and noise in the parameter's dtype
-            grad = torch.einsum("i,i...", factor.to(device=grad_sample.device, dtype=p.dtype), grad_sample)
+            # the factor rounded down into that dtype: a unit's clipped gradient never exceeds C by rounding
+            unit_factor = round_down(factor, p.dtype).to(grad_sample.device)
+            grad = torch.einsum("i,i...", unit_factor, grad_sample)
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
             _mark_as_processed(p.grad_sample)
 

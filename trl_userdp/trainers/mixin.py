@@ -383,6 +383,9 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         engine = self.privacy_engine
         engine.restore_privacy_state(state["accountant"], state.get("optimizer", {}), source=path)
         accounted = engine.steps_accounted()
+        if self.args.ignore_data_skip:  # the Trainer restarts the epoch without skipping: draw after the taken steps
+            sampler = engine.data_loader.user_sampler
+            sampler.resume_offset = accounted - (global_step // sampler.steps) * sampler.steps
         finished = engine.optimizer.halted or not engine.budget_allows_step()
         if accounted > global_step or (accounted < global_step and not finished):
             raise ValueError(
