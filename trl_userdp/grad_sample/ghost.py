@@ -22,6 +22,11 @@ smaller of the two for one micro-batch, freed once the micro-batch is clipped; a
 unclipped sum, which the update does not use) is dropped as soon as it is accumulated, except while the first step's
 self-check needs it.
 
+**Precision and passes.** Norms and book-kept sums are computed in fp32 whatever the layer's dtype, each Gram norm
+with a rounding bound that is added when it is not negligible, so a unit's norm bounds what is added for it; several
+backward passes through a layer in one micro-batch are clipped as their sum (docs/privacy_model.md, "Precision and
+paths").
+
 A unit with a non-finite norm (NaN data, an overflow) gets weight 0 and its rows are zeroed before the sums, so it adds
 nothing, as in the materialised path.
 """
@@ -293,7 +298,7 @@ class UserGhostHooks(UserGradSampleHooks):
         else:
             try:
                 activations = [torch.cat([ps[0][i] for ps in passes]) for i in range(len(passes[0][0]))]
-                backprops = torch.cat([ps[1] * ps[2] for ps in passes])
+                backprops = torch.cat([_fp32(ps[1]) * ps[2] for ps in passes])  # scaled in fp32, not in bf16
             except RuntimeError as err:
                 raise ValueError("Ghost clipping: several backward passes through one layer in one micro-batch need "
                                  "inputs of one shape; use grad_sample_mode='hooks'.") from err
