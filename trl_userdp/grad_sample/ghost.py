@@ -346,7 +346,7 @@ class UserGhostHooks(UserGradSampleHooks):
         A unit's norm is an upper bound on the norm of what is added for it: the direct route's and the materialised
         layers' norms are taken from the very tensors that are added, and a Gram norm whose rounding bound ``e·S_u²``
         exceeds :data:`TRUSTED_SHARE` of it is raised by that bound (a unit whose rows nearly cancel, in any dtype),
-        so that rounding never lets a unit past the clip (docs/privacy_model.md, "Precision")."""
+        so that rounding never lets a unit past the clip (docs/privacy_model.md, "Precision and paths")."""
         n_units = len(self.unit_ids)
         if n_units == 0 or self._row_slots is None:
             self._reset_micro_batch()

@@ -1,4 +1,4 @@
-"""Clip factors in low precision (docs/privacy_model.md, "Precision")."""
+"""Clip factors in low precision (docs/privacy_model.md, "Precision and paths")."""
 
 from __future__ import annotations
 
