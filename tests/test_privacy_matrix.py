@@ -4,7 +4,7 @@
 nearly cancel, ×1e6 rows, NaN and inf rows, users with 1 and with m rows), checking
 
 (a) each user's influence on the released sum ≤ its sensitivity · (1 + the dtype's tolerance), plus the rounding of
-    the released sum itself in the parameters' dtype (docs/privacy_model.md, "Precision");
+    the released sum itself in the parameters' dtype (docs/privacy_model.md, "Precision and paths");
 (b) at σ = 0 and a huge clip, the released sum equals an independent per-user autograd loop;
 (c) the step is accounted once, at the run's (σ, q), and adaptive clipping's count covers every user of the draw.
 
@@ -35,7 +35,7 @@ WIDTH = 16
 TOLERANCE = {"fp32": 1e-3, "bf16": 1e-2, "bf16-autocast": 1e-3}
 #: plus this share of the released sums' norms: rounding in the dtype the step computes in (bf16 under autocast), where
 #: the other users' clipped gradients come out of batch-size-dependent kernels and may differ by a rounding when a
-#: user leaves the batch (docs/privacy_model.md, "Precision")
+#: user leaves the batch (docs/privacy_model.md, "Precision and paths")
 SUM_ROUNDING = {"fp32": 1e-6, "bf16": 2.0 ** -7, "bf16-autocast": 2.0 ** -7}
 KINDS = ["normal", "one_row", "m_rows", "cancelling", "huge", "tiny", "nan", "inf"]
 
