@@ -45,7 +45,8 @@ def make_model(seed: int = 0, width: int = D, kind: str = "mlp") -> nn.Module:
     return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
 
 
-def _loss(model: nn.Module, x: torch.Tensor, w: torch.Tensor, dtype: str) -> torch.Tensor:
+def row_loss(model: nn.Module, x: torch.Tensor, w: torch.Tensor, dtype: str = "fp32") -> torch.Tensor:
+    """The mean over rows of ``w · ⟨v, f(x)⟩`` (summed over positions), under bf16 autocast for "bf16-autocast"."""
     direction = torch.linspace(-1, 1, x.shape[-1])
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16-autocast" else contextlib.nullcontext()
     with autocast:
@@ -91,7 +92,7 @@ def clipped_sum(rows: Rows, *, mode: str = "hooks", dtype: str = "fp32", batchin
     for i, (x, w) in enumerate(batches):
         if len(x):
             for _ in range(passes):
-                (_loss(net, x, w, dtype) / passes).backward()
+                (row_loss(net, x, w, dtype) / passes).backward()
         if batching != "micro" or (i + 1) % per_step == 0:
             optimizer.step()
             if not optimizer._is_last_step_skipped:  # the step that ends the draw: its private gradient
@@ -107,13 +108,15 @@ def influence(rows: Rows, user: int, **kwargs) -> float:
     return float(torch.linalg.vector_norm(clipped_sum(rows, **kwargs) - clipped_sum(rows.without(user), **kwargs)))
 
 
-def user_autograd_sum(rows: Rows, users: Sequence[int], model: str = "mlp", model_seed: int = 0) -> torch.Tensor:
-    """``Σ_u ḡ_u`` by a per-user autograd loop in fp32 (each user's mean row loss, no clipping): the reference."""
-    model = make_model(model_seed, rows.x.shape[-1], model)
-    total = [torch.zeros_like(p) for p in model.parameters()]
+def user_autograd_sum(rows: Rows, users: Sequence[int], net: Optional[nn.Module] = None, model: str = "mlp",
+                     model_seed: int = 0) -> torch.Tensor:
+    """``Σ_u ḡ_u`` by a per-user autograd loop in fp32 (each user's mean row loss, no clipping): the reference. ``net``
+    is the model to differentiate (default: :func:`make_model` of ``model`` and ``model_seed``)."""
+    net = net if net is not None else make_model(model_seed, rows.x.shape[-1], model)
+    total = [torch.zeros_like(p) for p in net.parameters()]
     for u in users:
         keep = [i for i, v in enumerate(rows.users) if v == u]
-        model.zero_grad()
-        _loss(model, rows.x[keep], rows.w[keep], "fp32").backward()
-        total = [t + p.grad for t, p in zip(total, model.parameters())]
+        net.zero_grad()
+        row_loss(net, rows.x[keep], rows.w[keep]).backward()
+        total = [t + p.grad for t, p in zip(total, net.parameters())]
     return torch.cat([t.flatten() for t in total])

@@ -2,6 +2,7 @@
 sum stays within the clip whatever the precision, the number of backward passes or a discarded draw, and adaptive
 clipping's count covers every user of the draw."""
 
+import copy
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import trl_userdp
 
-from ..influence import T, Rows, _loss, clipped_sum, influence, user_autograd_sum
+from ..influence import T, Rows, clipped_sum, influence, row_loss, user_autograd_sum
 
 C = 1e-3
 
@@ -39,7 +40,7 @@ def test_a_draw_discarded_after_its_backward_pass_leaves_nothing_behind(mode):
     ghost mode raised an IndexError)."""
     rows = _rows(n_users=12, per_user=1)
     net = torch.nn.Linear(16, 16)
-    reference = {k: v.clone() for k, v in net.state_dict().items()}
+    reference = copy.deepcopy(net)
     engine = trl_userdp.PrivacyEngine()
     net, optimizer, loader = engine.make_private_user_level(
         module=net, optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
@@ -48,28 +49,15 @@ def test_a_draw_discarded_after_its_backward_pass_leaves_nothing_behind(mode):
         noise_generator=torch.Generator().manual_seed(0))
     draws = iter(loader)
     x, w = next(draws)
-    _loss(net, x, w, "fp32").backward()
+    row_loss(net, x, w).backward()
     engine.hooks.set_row_users(None)  # discard the first draw after its backward pass
     x, w = next(draws)
     second = sorted(set(loader.last_row_users.tolist()))
-    _loss(net, x, w, "fp32").backward()
+    row_loss(net, x, w).backward()
     optimizer.step()
     released = torch.cat([p.grad.flatten() for p in net.parameters()]) * optimizer.expected_batch_size
-    torch.testing.assert_close(released, _linear_user_sum(reference, rows, second), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(released, user_autograd_sum(rows, second, net=reference), rtol=1e-4, atol=1e-6)
     assert engine.accountant.steps_taken == 1  # the discarded draw is not accounted
-
-
-def _linear_user_sum(state, rows, users):
-    """``Σ_u ḡ_u`` over ``users`` by a per-user autograd loop on a Linear(16, 16) in ``state``."""
-    net = torch.nn.Linear(16, 16)
-    net.load_state_dict(state)
-    total = [torch.zeros_like(p) for p in net.parameters()]
-    for u in users:
-        keep = [i for i, v in enumerate(rows.users) if v == u]
-        net.zero_grad()
-        _loss(net, rows.x[keep], rows.w[keep], "fp32").backward()
-        total = [t + p.grad for t, p in zip(total, net.parameters())]
-    return torch.cat([t.flatten() for t in total])
 
 
 def test_a_discarded_draw_in_the_middle_of_micro_batches_is_refused_clearly():
@@ -85,7 +73,7 @@ def test_a_discarded_draw_in_the_middle_of_micro_batches_is_refused_clearly():
         grad_sample_mode="ghost", micro_batches=2, noise_generator=torch.Generator().manual_seed(0))
     draws = iter(loader)
     x, w = next(draws)
-    _loss(net, x, w, "fp32").backward()
+    row_loss(net, x, w).backward()
     engine.hooks.set_row_users(None)
     with pytest.raises(ValueError, match="continuation=True needs a batch drawn"):
         next(draws)
@@ -127,3 +115,40 @@ def test_adaptive_clipping_counts_every_physical_batch_of_the_draw():
     assert len(set(moves.values())) == 1, moves
     # every user is within the clip of 1e6, so b̃ = (10 − 5 + noise)/10 + ½ ≈ 1: log C moves by about −η(1 − γ)
     assert moves["ghost", "physical"] < -0.05
+
+
+class _SometimesTwice(torch.nn.Module):
+    """A layer that runs once per forward pass, or twice when ``twice`` is set (ghost then materialises it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(16, 16)
+        self.twice = False
+
+    def forward(self, x):
+        h = self.inner(x)
+        return self.inner(torch.tanh(h)) if self.twice else h
+
+
+def test_a_layer_ghost_clipped_in_one_pass_and_materialised_in_the_next_is_clipped_as_their_sum():
+    """Two backward passes on one micro-batch, the second through a forward pass that runs the layer twice: ghost keeps
+    the first pass's record and the hooks materialise the second; the user's norm must be that of their sum, as in
+    hooks mode."""
+    rows = _rows(n_users=4, per_user=2)
+    released = {}
+    for mode in ("hooks", "ghost"):
+        torch.manual_seed(0)
+        net = _SometimesTwice()
+        engine = trl_userdp.PrivacyEngine()
+        net, optimizer, loader = engine.make_private_user_level(
+            module=net, optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(rows.x, rows.w)), user_ids=rows.users, max_samples_per_user=2,
+            users_per_batch=4.0, steps=1, sampling_seed=0, noise_multiplier=0.0, max_grad_norm=C,
+            grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(0))
+        for x, w in loader:
+            for twice in (False, True):
+                net.twice = twice
+                row_loss(net, x, w).backward()
+            optimizer.step()
+        released[mode] = torch.cat([p.grad.flatten() for p in net.parameters()])
+    torch.testing.assert_close(released["ghost"], released["hooks"], rtol=1e-4, atol=1e-9)

@@ -6,6 +6,8 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
+from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
+
 from ..tiny_models import text_preference_dataset, tiny_llama_lm, tiny_tokenizer
 
 COMMON = dict(per_device_train_batch_size=4, learning_rate=1e-3, report_to=[], use_cpu=True, bf16=False,
@@ -44,3 +46,7 @@ def dpo_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, pe
     trainer.train()
     trainer.save_model()
     return trainer
+
+
+#: (script, trainer class, config class) for the reward and the DPO trainer
+SCRIPTS = [(reward_script, UserDPRewardTrainer, UserDPRewardConfig), (dpo_script, UserDPDPOTrainer, UserDPDPOConfig)]

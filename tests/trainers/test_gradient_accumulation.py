@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from trl_userdp import PrivacyReport
-from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
+from trl_userdp.trainers import UserDPRewardConfig, UserDPRewardTrainer
 
 from ..tiny_models import tiny_llama_lm, tiny_tokenizer
-from .scripts import dpo_script, reward_script, tiny_reward_model
+from .scripts import SCRIPTS, dpo_script, reward_script, tiny_reward_model
 
 
-SCRIPTS = [(reward_script, UserDPRewardTrainer, UserDPRewardConfig), (dpo_script, UserDPDPOTrainer, UserDPDPOConfig)]
 #: σ = 0, no clipping and plain SGD: the update is linear in the per-user averages, so a wrong scale (e.g. the Trainer
 #: dividing each micro-batch's loss by gradient_accumulation_steps) shows; with noise, the same draws and noise
 EXACT = dict(noise_multiplier=0.0, target_epsilon=None, per_user_max_grad_norm=1e6, optim="sgd", learning_rate=0.5)

@@ -5,12 +5,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
-
-from .scripts import dpo_script, reward_script
-
-SCRIPTS = [(reward_script, UserDPRewardTrainer, UserDPRewardConfig),
-           pytest.param(dpo_script, UserDPDPOTrainer, UserDPDPOConfig, marks=pytest.mark.slow)]
+from .scripts import SCRIPTS
 
 
 class _Start(TrainerCallback):
@@ -18,7 +13,8 @@ class _Start(TrainerCallback):
         self.params = torch.cat([p.detach().float().flatten().clone() for p in model.parameters() if p.requires_grad])
 
 
-@pytest.mark.parametrize("script,trainer_cls,config_cls", SCRIPTS)
+@pytest.mark.parametrize("script,trainer_cls,config_cls",
+                         [SCRIPTS[0], pytest.param(*SCRIPTS[1], marks=pytest.mark.slow)])  # DPO with -m slow
 def test_bf16_autocast_trains_privately_in_both_modes(tmp_path, script, trainer_cls, config_cls):
     updates = {}
     for mode in ("hooks", "ghost"):

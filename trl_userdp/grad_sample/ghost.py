@@ -261,11 +261,9 @@ class UserGhostHooks(UserGradSampleHooks):
                       slots: torch.Tensor) -> bool:
         """Whether this layer's unit gradients ``[U, p, d]`` are cheaper than its Gram matrices (never for an
         embedding: its unit gradient is a vocabulary-sized table)."""
-        if isinstance(module, nn.Embedding) or self.norm_route == "gram":
-            return False
         weight = getattr(module, "weight", None)
-        if self.norm_route == "direct" or weight is None:
-            return self.norm_route == "direct"
+        if isinstance(module, nn.Embedding) or self.norm_route != "auto" or weight is None:
+            return self.norm_route == "direct" and not isinstance(module, nn.Embedding)
         positions = self._packing_index(slots).shape[1] * (backprops[0].numel() // backprops.shape[-1])
         return positions * (activations[0].shape[-1] + backprops.shape[-1]) > weight.numel()
 
@@ -355,6 +353,8 @@ class UserGhostHooks(UserGradSampleHooks):
             raise ValueError("UserGhostHooks needs clip_factors (the optimizer sets it).")
         counts, row_slots = self.unit_counts, self._row_slots
         for module, record in list(self._records.items()):
+            if self.record_row_norms:  # what autograd's gradient of this micro-batch must be: Σ_r ∇ℓ_r / R
+                self._add_check_sums(module, record, len(row_slots))
             if any(getattr(p, "_unit_grad", None) is not None for p in record.params):
                 # the layer also went through the materialised hooks in this micro-batch (it ran twice in a later
                 # forward pass): its passes join those sums, so the norm is the norm of their total
@@ -382,10 +382,6 @@ class UserGhostHooks(UserGradSampleHooks):
         rows_bad, row_weights = bad[row_slots], weights[row_slots]
         for module, record in self._records.items():
             for activations, backprops, scale in record.passes:
-                if self.record_row_norms:  # what autograd's gradient of this micro-batch must be: Σ_r ∇ℓ_r / R
-                    check = backprops if scale == len(row_slots) else backprops * (scale / len(row_slots))
-                    for p, g in self._whole_batch_gradient(module, activations, check).items():
-                        p._check_sum = getattr(p, "_check_sum", 0.0) + g
                 if bad.any():
                     backprops = backprops.masked_fill(_rows_view(rows_bad, backprops), 0)
                     activations = [a.masked_fill(_rows_view(rows_bad, a), 0) if a.is_floating_point() else a
@@ -394,9 +390,7 @@ class UserGhostHooks(UserGradSampleHooks):
                 scaled = _fp32(backprops) * _rows_view(row_weights * scale, backprops)
                 for p, g in self._whole_batch_gradient(module, [_fp32(a) for a in activations], scaled).items():
                     self._add(p, g)
-        for i, (p, sums) in enumerate(materialised + direct):
-            if self.record_row_norms and i >= len(materialised):  # the hooks recorded the others' check sums already
-                p._check_sum = getattr(p, "_check_sum", 0.0) + sums.sum(0) / len(row_slots)
+        for p, sums in materialised + direct:
             if bad.any():
                 sums = sums.masked_fill(_rows_view(bad, sums), 0)
             unit_weights = round_down(weights, sums.dtype).to(sums.device)
@@ -404,6 +398,16 @@ class UserGhostHooks(UserGradSampleHooks):
         self.units_seen.update(self.unit_ids)
         self.non_finite_units |= bool(bad.any())
         self._reset_micro_batch()
+
+    def _add_check_sums(self, module: nn.Module, record: LayerRecord, n_rows: int) -> None:
+        """Add a record's ``Σ_r ∇ℓ_r / R`` (each pass's) to the self-check's sums (the hooks add the materialised
+        layers' themselves)."""
+        for p, g in (record.unit_grads or {}).items():
+            p._check_sum = getattr(p, "_check_sum", 0.0) + g.sum(0) / n_rows
+        for activations, backprops, scale in record.passes:
+            check = backprops if scale == n_rows else backprops * (scale / n_rows)
+            for p, g in self._whole_batch_gradient(module, activations, check).items():
+                p._check_sum = getattr(p, "_check_sum", 0.0) + g
 
     def _record_unit_grads(self, module: nn.Module, record: LayerRecord,
                            row_slots: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
