@@ -9,10 +9,16 @@ the clipped sums with and without that user: ``‖Σ(D) − Σ(D \\ u)‖``, eac
 from __future__ import annotations
 
 import contextlib
+import datetime
+import queue
+import shutil
+import tempfile
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -57,7 +63,8 @@ def row_loss(model: nn.Module, x: torch.Tensor, w: torch.Tensor, dtype: str = "f
 
 def clipped_sum(rows: Rows, *, mode: str = "hooks", dtype: str = "fp32", batching: str = "one",
                 mechanism: str = "user_dpsgd", clip: float = 1.0, passes: int = 1, m: Optional[int] = None,
-                model: str = "mlp", model_seed: int = 0, engine_out: Optional[list] = None) -> torch.Tensor:
+                model: str = "mlp", model_seed: int = 0, drawn: Optional[Iterable[int]] = None,
+                engine_out: Optional[list] = None) -> torch.Tensor:
     """``Σ_u c_u g_u`` of one step (σ = 0, every user sampled), as released: the private gradient ``p.grad``
     times ñ (in the parameters' dtype), as a flat fp32 tensor.
 
@@ -68,6 +75,8 @@ def clipped_sum(rows: Rows, *, mode: str = "hooks", dtype: str = "fp32", batchin
             with physical batches of at most ``m`` rows).
         mechanism: "user_dpsgd", "user_dpsgd_adaptive" or "group".
         passes: backward passes per batch (the loss split into that many equal terms, each backpropagated).
+        drawn: the users the step's Poisson draw takes (default: all of them; none is an empty draw). The dataset,
+            and so n, q and ñ, stay the same whatever is drawn.
     """
     net = make_model(model_seed, rows.x.shape[-1], model)
     if dtype == "bf16":
@@ -83,6 +92,12 @@ def clipped_sum(rows: Rows, *, mode: str = "hooks", dtype: str = "fp32", batchin
         max_samples_per_user=m, users_per_batch=float(n_users), steps=1, sampling_seed=0, noise_multiplier=0.0,
         max_grad_norm=clip, mechanism=chosen, grad_sample_mode=mode,
         micro_batches=2 if batching == "micro" else 1, noise_generator=torch.Generator().manual_seed(0))
+    if drawn is not None:
+        drawn = set(drawn)
+        if mechanism == "group":  # its sampling units are records: a user is drawn as all of its records
+            drawn = {r for r, u in enumerate(rows.users) if u in drawn}
+        users = torch.tensor(sorted(drawn), dtype=torch.long)
+        engine.data_loader.user_sampler.sample_users = lambda: users
     if batching == "physical":
         batches = UserBatchMemoryManager(data_loader=loader, max_physical_batch_size=m, optimizer=optimizer).__enter__()
     else:
@@ -100,7 +115,8 @@ def clipped_sum(rows: Rows, *, mode: str = "hooks", dtype: str = "fp32", batchin
             optimizer.zero_grad()
     if engine_out is not None:
         engine_out.append(engine)
-    return released * optimizer.expected_batch_size
+    # across processes each rank's ñ is its share of the global ñ (Opacus's convention)
+    return released * optimizer.expected_batch_size * (dist.get_world_size() if dist.is_initialized() else 1)
 
 
 def influence(rows: Rows, user: int, **kwargs) -> float:
@@ -120,3 +136,60 @@ def user_autograd_sum(rows: Rows, users: Sequence[int], net: Optional[nn.Module]
         row_loss(net, rows.x[keep], rows.w[keep]).backward()
         total = [t + p.grad for t, p in zip(total, net.parameters())]
     return torch.cat([t.flatten() for t in total])
+
+
+def _serve(rank: int, world: int, rendezvous: str, requests, replies) -> None:
+    """A rank of :class:`TwoRanks`: runs :func:`clipped_sum` on each request until it gets ``None``."""
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for rows, kwargs in iter(requests.get, None):
+            engines: list = []
+            try:
+                released = clipped_sum(rows, engine_out=engines, **kwargs)
+                replies.put((rank, released, list(engines[0].accountant.history)))
+            except Exception as err:  # noqa: BLE001 - sent back to the test, which raises it
+                replies.put((rank, f"{type(err).__name__}: {err}", None))
+    finally:
+        dist.destroy_process_group()
+
+
+class TwoRanks:
+    """Two data-parallel processes (gloo on CPU) that take one private step with :func:`clipped_sum` on request: the
+    engine shards the users by rank and all-reduces the clipped sums. Started once and reused, since a process start
+    costs seconds."""
+
+    def __init__(self) -> None:
+        context = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp()
+        self._requests = [context.Queue() for _ in range(2)]
+        self._replies = context.Queue()
+        self._ranks = [context.Process(target=_serve, args=(r, 2, self._dir, self._requests[r], self._replies),
+                                       daemon=True) for r in range(2)]
+        for process in self._ranks:
+            process.start()
+
+    def clipped_sum(self, rows: Rows, **kwargs) -> Tuple[torch.Tensor, list]:
+        """:func:`clipped_sum` on two processes: the released sum (the same on both ranks, or an AssertionError) and
+        the accountant's history. A rank's exception is raised here as a RuntimeError with its message."""
+        for requests in self._requests:
+            requests.put((rows, kwargs))
+        try:
+            replies = sorted((self._replies.get(timeout=120) for _ in self._ranks), key=lambda r: r[0])
+        except queue.Empty:
+            raise RuntimeError("a rank did not answer within two minutes") from None
+        errors = [r[1] for r in replies if isinstance(r[1], str)]
+        if errors:
+            raise RuntimeError(" | ".join(errors))
+        (_, first, history), (_, second, _) = replies
+        assert torch.equal(first, second), "the ranks released different sums"
+        return first, history
+
+    def close(self) -> None:
+        for requests in self._requests:
+            requests.put(None)
+        for process in self._ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,15 +1,19 @@
 """The privacy test matrix (issue 24): property-based tests over every path a step can take —
 {hooks, ghost} × {fp32, bf16 weights, bf16 autocast} × {one batch, ``micro_batches``, ``UserBatchMemoryManager``} ×
-{user_dpsgd, user_dpsgd_adaptive, group} × {one, two backward passes} — with generated adversarial users (rows that
-nearly cancel, ×1e6 rows, NaN and inf rows, users with 1 and with m rows), checking
+{user_dpsgd, user_dpsgd_adaptive, group} × {one, two backward passes} × {one process, two gloo processes} — with
+generated adversarial users (rows that nearly cancel, ×1e6 rows, NaN and inf rows, users with 1 and with m rows) and
+draws of any subset of the users, the empty draw included, checking
 
 (a) each user's influence on the released sum ≤ its sensitivity · (1 + the dtype's tolerance), plus the rounding of
     the released sum itself in the parameters' dtype (docs/privacy_model.md, "Precision and paths");
-(b) at σ = 0 and a huge clip, the released sum equals an independent per-user autograd loop;
+(b) at σ = 0 and a huge clip, the released sum equals an independent per-user autograd loop over the drawn users;
 (c) the step is accounted once, at the run's (σ, q), and adaptive clipping's count covers every user of the draw.
 
-The default profile runs a bounded number of examples; ``HYPOTHESIS_PROFILE=slow`` (with ``-m slow``) many more. The
-last test re-introduces a known defect and checks that the matrix finds it."""
+Two processes run what the engine allows there (one batch or ``micro_batches``; user_dpsgd and group); the rest must be
+refused before training with a one-line reason. The trainers' ``gradient_accumulation_steps`` axis is in
+tests/trainers/test_privacy_matrix_trainers.py. The default profile runs a bounded number of examples;
+``HYPOTHESIS_PROFILE=slow`` (with ``-m slow``) many more. The last test re-introduces a known defect and checks that
+the matrix finds it."""
 
 import math
 import os
@@ -21,7 +25,7 @@ from hypothesis import strategies as st
 
 from trl_userdp.grad_sample import ghost
 
-from .influence import T, Rows, clipped_sum, user_autograd_sum
+from .influence import T, Rows, TwoRanks, clipped_sum, user_autograd_sum
 
 settings.register_profile("default", max_examples=25, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -38,13 +42,44 @@ TOLERANCE = {"fp32": 1e-3, "bf16": 1e-2, "bf16-autocast": 1e-3}
 #: user leaves the batch (docs/privacy_model.md, "Precision and paths")
 SUM_ROUNDING = {"fp32": 1e-6, "bf16": 2.0 ** -7, "bf16-autocast": 2.0 ** -7}
 KINDS = ["normal", "one_row", "m_rows", "cancelling", "huge", "tiny", "nan", "inf"]
+#: what the engine runs in one process only (refused across processes before training)
+ONE_PROCESS_ONLY = {"batching": "physical", "mechanism": "user_dpsgd_adaptive"}
+_RANKS: list = []  # the two processes, started by the first example that needs them
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_ranks():
+    yield
+    while _RANKS:
+        _RANKS.pop().close()
+
+
+def released(rows: Rows, processes: int, **kwargs):
+    """The released sum of one step and the accountant's history, in one process or two."""
+    if processes == 1:
+        engines: list = []
+        out = clipped_sum(rows, engine_out=engines, **kwargs)
+        return out, engines[0].accountant.history
+    if not _RANKS:
+        _RANKS.append(TwoRanks())
+    return _RANKS[0].clipped_sum(rows, **kwargs)
+
+
+def _refused_across_processes(s) -> bool:
+    """A two-process path the engine does not run: check that it says so, before training, in one line."""
+    if s["processes"] == 1 or not any(s[k] == v for k, v in ONE_PROCESS_ONLY.items()):
+        return False
+    with pytest.raises(RuntimeError, match="ValueError: .* runs in one process") as refusal:
+        released(s["rows"], 2, clip=1.0, m=M, **_path(s))
+    assert "\n" not in str(refusal.value)
+    return True
 
 
 @st.composite
 def scenarios(draw):
     """A step's path and its users; user 0 is the one whose influence is measured, of an adversarial ``kind``."""
     kind = draw(st.sampled_from(KINDS))
-    n_users = draw(st.integers(2, 4))
+    n_users = draw(st.integers(1, 4))
     sizes = [draw(st.integers(1, M)) for _ in range(n_users)]
     sizes[0] = {"one_row": 1, "m_rows": M, "cancelling": max(2, sizes[0])}.get(kind, sizes[0])
     seed = draw(st.integers(0, 2 ** 16))
@@ -66,6 +101,9 @@ def scenarios(draw):
                 batching=draw(st.sampled_from(["one", "micro", "physical"])),
                 mechanism=draw(st.sampled_from(["user_dpsgd", "user_dpsgd_adaptive", "group"])),
                 passes=draw(st.sampled_from([1, 2])),
+                processes=draw(st.sampled_from([1, 2])),
+                # the other users of the draw (user 0 is drawn or not): none makes the draw without user 0 empty
+                others=draw(st.sets(st.integers(1, n_users - 1))) if n_users > 1 else set(),
                 clip=draw(st.sampled_from([1e-3, 1.0])))
 
 
@@ -73,13 +111,18 @@ def _path(s):
     return {k: s[k] for k in ("mode", "dtype", "batching", "mechanism", "passes")}
 
 
+def _drawn(s, with_user: bool) -> set:
+    return s["others"] | {0} if with_user else s["others"]
+
+
 @settings(settings.get_profile(PROFILE))
 @given(scenarios())
 def test_no_user_moves_the_released_sum_beyond_its_sensitivity(s):
-    rows, clip = s["rows"], s["clip"]
-    engines = []
-    with_user = clipped_sum(rows, clip=clip, m=M, engine_out=engines, **_path(s))
-    without = clipped_sum(rows.without(0), clip=clip, m=M, **_path(s))
+    if _refused_across_processes(s):
+        return
+    rows, clip, processes = s["rows"], s["clip"], s["processes"]
+    with_user, history = released(rows, processes, clip=clip, m=M, drawn=_drawn(s, True), **_path(s))
+    without, _ = released(rows, processes, clip=clip, m=M, drawn=_drawn(s, False), **_path(s))
     # the group baseline's unit is a record: a user of k records is worth k clipped records
     sensitivity = clip * (rows.users.count(0) if s["mechanism"] == "group" else 1)
     dtype = s["dtype"]
@@ -88,25 +131,30 @@ def test_no_user_moves_the_released_sum_beyond_its_sensitivity(s):
     assert torch.isfinite(with_user).all() and torch.isfinite(without).all()
     got = float(torch.linalg.vector_norm(with_user - without))
     assert got <= allowed, f"user 0 ({s['kind']}) moved the sum by {got / sensitivity:.4f}× its sensitivity"
+    if not s["others"]:  # the empty draw releases nothing but noise (none here)
+        assert not without.any()
     # (c) one accounted step at this run's σ and q
-    engine = engines[0]
-    assert engine.accountant.history == [(0.0, 1.0, 1)]
+    assert history == [(0.0, 1.0, 1)]
 
 
 @settings(settings.get_profile(PROFILE))
 @given(scenarios())
 def test_without_clipping_the_released_sum_is_the_per_user_autograd_sum(s):
+    if _refused_across_processes(s):
+        return
     rows = s["rows"]
-    if s["kind"] in ("nan", "inf", "huge"):  # non-finite users add zero; ×1e6 users swamp the comparison
-        rows = rows.without(0)
-    got = clipped_sum(rows, clip=1e9, m=M, **_path(s))
+    # non-finite users add zero; ×1e6 users swamp the comparison: they stay in the data but are not drawn
+    drawn = _drawn(s, with_user=s["kind"] not in ("nan", "inf", "huge"))
+    got, _ = released(rows, s["processes"], clip=1e9, m=M, drawn=drawn, **_path(s))
     if s["mechanism"] == "group":  # units are records
-        reference = user_autograd_sum(Rows(rows.x, rows.w, list(range(len(rows.users)))), range(len(rows.users)))
+        reference = user_autograd_sum(Rows(rows.x, rows.w, list(range(len(rows.users)))),
+                                      [r for r, u in enumerate(rows.users) if u in drawn])
     else:
-        reference = user_autograd_sum(rows, sorted(set(rows.users)))
+        reference = user_autograd_sum(rows, sorted(drawn))
     per_row = Rows(rows.x, rows.w, list(range(len(rows.users))))  # rounding is relative to what was summed: rows
     scale = float(torch.linalg.vector_norm(reference)) + sum(
-        float(torch.linalg.vector_norm(user_autograd_sum(per_row, [r]))) for r in range(len(rows.users)))
+        float(torch.linalg.vector_norm(user_autograd_sum(per_row, [r])))
+        for r, u in enumerate(rows.users) if u in drawn)
     rtol = 1e-5 if s["dtype"] == "fp32" else 3e-2
     assert float(torch.linalg.vector_norm(got - reference)) <= rtol * scale
 
