@@ -280,3 +280,73 @@ def test_a_missing_optional_package_is_one_line_naming_its_extra(module, args, t
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"trl-userdp: error: {args[0]} needs the package {module!r}, which is not installed: "
                    "pip install 'trl_userdp[examples]'."]
+
+
+@pytest.mark.parametrize("command,fmt", [("reward", "jsonl"), ("dpo", "csv")])
+def test_null_or_empty_text_is_one_line_naming_the_row(command, fmt, tmp_path):
+    """Null text in a jsonl or an empty csv cell used to end in a 56-line TRL traceback ('NoneType' object has no
+    attribute 'endswith'); an empty chosen trained silently (issue 25, item 4)."""
+    from datasets import Dataset
+
+    rows = _pairs(range(4))
+    rows[5] = {**rows[5], "chosen": None}
+    path = tmp_path / f"pairs.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    else:
+        Dataset.from_list(rows).to_csv(str(path), index=False)
+    proc = _run(command, "--dataset_name", str(path), "--output_dir", str(tmp_path / "out"), "--max_steps", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("trl-userdp: error: Row 5 has no text (None) in column 'chosen'")
+
+
+def test_extending_a_finished_run_is_refused_with_how_to_continue_and_that_works(tmp_path, capsys):
+    """A longer plan recalibrates σ, so its resume is refused; the message used to say only that the state "belongs
+    to another run or was edited" (issue 25, item 6). Following it (the saved σ, a larger budget) continues the run."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _pairs(range(8))) + "\n")
+    out = tmp_path / "run"
+    common = ["dpo", "--dataset_name", str(data), "--output_dir", str(out), "--per_device_train_batch_size", "4",
+              "--save_steps", "2", "--accountant", "rdp", "--target_epsilon", "3"]
+    assert main([*common, "--max_steps", "2"]) == 0
+    sigma = PrivacyReport.load(str(out)).noise_multiplier
+    resume = ["--resume_from_checkpoint", str(out / "checkpoint-2"), "--max_steps", "4"]
+    capsys.readouterr()
+    assert main([*common, *resume]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # besides progress bars
+    assert len(errors) == 1 and f"fix noise_multiplier={sigma!r} and raise target_epsilon" in errors[0]
+    assert main([*common, *resume, "--noise_multiplier", repr(sigma), "--target_epsilon", "6"]) == 0
+    report = PrivacyReport.load(str(out))
+    assert report.steps_taken == 4 and 3 < report.epsilon <= 6
+
+
+def test_help_lists_config_and_then_the_privacy_options_in_their_own_group(capsys):
+    """`reward --help` was 890 lines with the privacy options at line 761, under no header, and no --config."""
+    with pytest.raises(SystemExit):
+        main(["reward", "--help"])
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0] == "usage: trl-userdp reward [--config YAML] [options]"
+    assert any(line.strip().startswith("--config YAML") for line in lines[:8])
+    group = next(i for i, line in enumerate(lines) if line.startswith("user-level privacy (trl_userdp"))
+    assert group < 10 and "--privacy_mechanism" in lines[group + 1]
+    assert text.index("--target_epsilon") < text.index("--learning_rate")
+
+
+def test_reward_inputs_beyond_the_reward_models_positions_are_truncated():
+    """GRPO re-tokenizes prompt + completion with the reward model's tokenizer, untruncated: past a reward model's
+    learnt positions that was a size-mismatch RuntimeError. The reward is now that of the first positions."""
+    from trl_userdp.cli import _positions, _truncate_reward_inputs
+
+    from .tiny_models import tiny_gpt2_rm
+
+    model = tiny_gpt2_rm().eval()
+    limit = _positions(model.config)
+    assert limit == 64
+    ids = torch.randint(1, 64, (2, 80))
+    mask = torch.ones_like(ids)
+    with pytest.raises((RuntimeError, IndexError)):
+        model(input_ids=ids, attention_mask=mask)
+    expected = model(input_ids=ids[:, :limit], attention_mask=mask[:, :limit]).logits
+    _truncate_reward_inputs(model, limit)
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, expected)

@@ -183,3 +183,16 @@ def test_an_aup_engine_checkpoint_keeps_above_threshold_state(tmp_path):
     engine3, model3, _, _ = _private(**aup)
     with pytest.raises(ValueError, match="0 AboveThreshold queries for"):
         engine3.load_checkpoint(path=path, module=model3)
+
+
+def test_opacus_secure_rng_advice_is_replaced_by_one_info_line(caplog):
+    """Opacus warned on every run to "retrain with secure_mode", which this stack cannot (issue 25, item 6); the
+    engine says what the randomness is instead, at INFO (docs/privacy_model.md, "Randomness")."""
+    import logging
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="trl_userdp"):
+        warnings.simplefilter("always")
+        trl_userdp.PrivacyEngine()
+    assert not [w for w in caught if "Secure RNG" in str(w.message)]
+    assert any("not a cryptographic RNG" in r.message for r in caplog.records)

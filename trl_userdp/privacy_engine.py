@@ -11,8 +11,10 @@ dp-accounting through the accountants of :mod:`trl_userdp.accountants`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
+import warnings
 from itertools import chain
 from typing import IO, Any, BinaryIO, Dict, Optional, Tuple, Union
 
@@ -41,6 +43,8 @@ from .validators import (
     warn_if_delta_is_large,
 )
 
+logger = logging.getLogger(__name__)
+
 #: Key of the private optimizer's own state in a checkpoint written by :meth:`PrivacyEngine.save_checkpoint`.
 OPTIMIZER_STATE_KEY = "trl_userdp_optimizer_state"
 
@@ -60,7 +64,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     def __init__(self, *, accountant: str = "pld", secure_mode: bool = False, neighboring_relation: str = "add_or_remove"):
         cls = accountant_class(accountant)
-        super().__init__(accountant=cls.mechanism(), secure_mode=secure_mode)
+        with warnings.catch_warnings():  # Opacus's advice to retrain with secure_mode, which this stack cannot do
+            warnings.filterwarnings("ignore", message="Secure RNG turned off")
+            super().__init__(accountant=cls.mechanism(), secure_mode=secure_mode)
+        if not secure_mode:
+            logger.info("Noise and user draws come from torch's generator seeded from the OS (or privacy_seed), not a "
+                        "cryptographic RNG: docs/privacy_model.md, 'Randomness'.")
         self.accountant: DPAccountingAccountant = cls(relation=neighboring_relation)
         self.mechanism: Optional[GradientMechanism] = None
         self.bounding: Optional[BoundingReport] = None
@@ -385,8 +394,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
             if not (math.isclose(sigma, run[0], rel_tol=1e-9) and math.isclose(q, run[1], rel_tol=1e-9)):
                 raise ValueError(
                     f"{source}: the saved accountant holds {n} steps at σ={sigma:.6g}, q={q:.6g}, but this run's settings "
-                    f"give σ={run[0]:.6g}, q={run[1]:.6g}: the state belongs to another run or was edited; refusing to "
-                    "resume."
+                    f"give σ={run[0]:.6g}, q={run[1]:.6g}: refusing to resume. σ is calibrated to target_epsilon over "
+                    "the whole plan, so a longer plan (more max_steps or epochs) recalibrates it; to extend a run, fix "
+                    f"noise_multiplier={sigma!r} and raise target_epsilon to the total you accept (training stops "
+                    "when it is spent). Otherwise the state belongs to another run or was edited."
                 )
         self.optimizer.load_privacy_state_dict(optimizer_state, accounted_steps=restored.steps_taken, source=source)
         self.accountant.history = restored.history

@@ -5,6 +5,7 @@ from .bounding import BoundingReport, UserSubset, bound_contributions
 from .collate import UserBatch, UserCollator, UserTaggedDataset, empty_like
 from .loader import PhasedUserDataLoader, UserDataLoader
 from .sampler import UserPoissonSampler
+from .text import check_text_columns
 from .users import DEFAULT_USER_COLUMN, UserIndex, resolve_user_ids
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "UserSubset",
     "UserTaggedDataset",
     "bound_contributions",
+    "check_text_columns",
     "empty_like",
     "resolve_user_ids",
 ]

@@ -32,7 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..accountants import PrivacyReport
 from ..checkpoints import load_plain
-from ..data import resolve_user_ids
+from ..data import check_text_columns, resolve_user_ids
 from ..mechanisms import NoPrivacy, UserRandomizedResponse, get_mechanism, mechanism_names
 from ..mechanisms.randomized_response import OUTPUT_DIR as RR_OUTPUT_DIR
 from .fused_head import unfuse_lm_head
@@ -150,6 +150,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         unaccounted draw)."""
         self.rr_report: Optional[PrivacyReport] = None
         self.randomized_response: Optional[UserRandomizedResponse] = None
+        check_text_columns(train_dataset)
         if args.privacy_kind == "none":
             return train_dataset
         if train_dataset is None or isinstance(train_dataset, (IterableDataset, datasets.IterableDataset)):

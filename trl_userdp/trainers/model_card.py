@@ -4,6 +4,7 @@ is protected and what is not (docs/privacy_model.md), from the same :class:`~trl
 
 from __future__ import annotations
 
+import json
 import os
 from typing import List, Optional, Union
 
@@ -21,15 +22,42 @@ class PrivacyModelCardMixin:
         """The report the card states (None: nothing to state yet)."""
         raise NotImplementedError
 
+    #: markdown naming the model the run started from, for a base that is not a hub id (the command line sets it for
+    #: its packaged models); None: described from the model's config (:meth:`card_base_model`)
+    base_model_description: Optional[str] = None
+
+    def card_base_model(self) -> str:
+        """What the card says the model was fine-tuned from, where TRL's card (which links hub ids only) would say
+        "[None](https://huggingface.co/None)": :attr:`base_model_description`, else the local folder the model was
+        loaded from, else the architecture built from a config."""
+        if self.base_model_description:
+            return self.base_model_description
+        config = self.model.config
+        name = getattr(config, "_name_or_path", "") or ""
+        if name:
+            return f"the model in `{name}`"
+        return f"a `{getattr(config, 'model_type', type(self.model).__name__)}` model built from its configuration"
+
     def create_model_card(self, model_name: Optional[str] = None, dataset_name: Optional[str] = None,
                           tags: Union[str, List[str], None] = None):
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=[*tags, *TAGS])
-        report = self.card_privacy_report()
         path = os.path.join(self.args.output_dir, "README.md")
-        if self.is_world_process_zero() and report is not None and os.path.isfile(path):
-            with open(path, "a") as f:
-                f.write("\n" + report.to_markdown())
+        if not self.is_world_process_zero() or not os.path.isfile(path):
+            return
+        with open(path) as f:
+            card = f.read()
+        # TRL links the base and loads the hub id in its quick start; a local run has neither: name the base, and
+        # load the folder the model was saved in
+        card = card.replace("[None](https://huggingface.co/None)", self.card_base_model())
+        card = card.replace('model="None"', f"model={json.dumps(self.args.output_dir)}")
+        # the reward card's pipeline infers its task from the hub, which a local folder (or an offline machine) lacks
+        card = card.replace("pipeline(model=", 'pipeline("text-classification", model=')
+        report = self.card_privacy_report()
+        if report is not None:
+            card += "\n" + report.to_markdown()
+        with open(path, "w") as f:
+            f.write(card)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
