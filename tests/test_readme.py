@@ -1,6 +1,7 @@
-"""Every code block of the README that is meant to run runs as written (issue 25): each Python block with the small
-model, tokenizer and data it names (steps capped), the command-line chain reward → dpo → rl on the README's own
-row format, YAML and model card. A block this file does not know fails the test, so a new snippet gets a runner."""
+"""Every code block of the README and docs/ that is meant to run runs as written (issue 25): each Python block with
+the small model, tokenizer and data it names (steps capped), the README's command-line chains reward → dpo → rl (full
+and LoRA) on its own row format, YAML and model card, and the two-process command of docs/trainers.md (``-m slow``).
+A block this file does not know fails the test, so a new snippet gets a runner."""
 
 import json
 import os
@@ -17,9 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+
+
+def blocks(page: str = "README.md"):
+    """(language, text) of each fenced block of a page, in order."""
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer((ROOT / page).read_text())]
+
+
 def readme_blocks():
-    """(language, text) of each fenced block of README.md, in order."""
-    return [(m.group(1), m.group(2)) for m in FENCE.finditer((ROOT / "README.md").read_text())]
+    return blocks("README.md")
 
 
 def _cap_steps(code: str) -> str:
@@ -77,21 +85,22 @@ PYTHON = {"UserDPRewardTrainer(": _trl, "AdaptiveUserPrivacyEngine()": _aup, "Us
           "trl_userdp.PrivacyEngine(": _torch_loop, "bound_contributions(": dict}
 #: command blocks that this file does not run, and why
 NOT_RUN = {"./scripts/main": "the set-up commands: .ci/run runs ./scripts/test, the main job is its own run",
-           "accelerate launch --multi_gpu": "needs GPUs: the second line (two CPU processes) runs under -m slow",
-           "pip install torch": "installs into the reader's environment: scripts/_venv.sh runs the same pip install"}
+           "accelerate launch --multi_gpu": "its first line needs GPUs; its second (two CPU processes) runs under -m slow",
+           "pip install torch": "installs into the reader's environment: scripts/_venv.sh runs the same pip install",
+           "python -m benchmarks.": "opt-in runs of minutes: tests/benchmarks/ runs each script in a tiny setting"}
 
 
 def _python_blocks():
-    return [code for lang, code in readme_blocks() if lang == "python"]
+    return [(page, code) for page in DOCS for lang, code in blocks(page) if lang == "python"]
 
 
-@pytest.mark.parametrize("index", range(len(_python_blocks())))
-def test_each_python_block_runs_with_the_names_it_expects(index, tmp_path, monkeypatch):
-    code = _python_blocks()[index]
+@pytest.mark.parametrize("page,index", [(page, i) for i, (page, _) in enumerate(_python_blocks())])
+def test_each_python_block_runs_with_the_names_it_expects(page, index, tmp_path, monkeypatch):
+    code = _python_blocks()[index][1]
     known = [make for marker, make in PYTHON.items() if marker in code]
-    assert len(known) == 1, f"README Python block {index} has no runner in tests/test_readme.py:\n{code}"
+    assert len(known) == 1, f"{page}: a Python block has no runner in tests/test_readme.py:\n{code}"
     monkeypatch.chdir(tmp_path)  # output_dir="rm" and the like land here
-    exec(compile(_cap_steps(code), f"README.md python block {index}", "exec"), known[0]())
+    exec(compile(_cap_steps(code), f"{page} python block", "exec"), known[0]())
 
 
 def _chains():
@@ -101,9 +110,10 @@ def _chains():
 
 def test_every_command_block_is_run_or_says_why_not():
     assert len(_chains()) == 2
-    for lang, code in readme_blocks():
-        if lang == "bash":
-            assert code in _chains() or any(marker in code for marker in NOT_RUN), code
+    for page in DOCS:
+        for lang, code in blocks(page):
+            if lang in ("bash", "sh", "shell"):
+                assert code in _chains() or any(marker in code for marker in NOT_RUN), f"{page}:\n{code}"
 
 
 def _block(lang: str, needle: str) -> str:
@@ -198,3 +208,21 @@ def test_the_lora_chain_runs_as_written_and_its_adapters_reload_from_anywhere(ch
     (command, _), = [r for r in results if r[0].split()[1] == "rl"]
     refused = _run_block(command + " --use_peft", work)[0][1]  # adapters on adapters: one line with the fix
     assert refused.returncode == 2 and "holds LoRA adapters: rl trains them further; drop --use_peft" in refused.stderr
+
+
+@pytest.mark.slow
+def test_the_two_process_command_of_the_trainers_page_runs_as_written(tmp_path):
+    """docs/trainers.md's second `accelerate launch` line: two CPU processes (gloo) under torchrun, from the root."""
+    from trl_userdp import PrivacyReport
+
+    (block,) = [code for lang, code in blocks("docs/trainers.md") if "accelerate launch --multi_gpu" in code]
+    (command,) = [c for c in _commands(block) if c.startswith("torchrun")]
+    out = tmp_path / "ddp"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(f"{command} --output_dir {out}", shell=True, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = PrivacyReport.load(str(out))
+    # the page's figures: 6 steps, world_size 2, ñ = 32 = 16 per process × 2, ε within the default target 8
+    assert report.steps_taken == 6 and report.extra["world_size"] == 2
+    assert report.extra["expected_units_per_step"] == 32 and report.epsilon <= 8.0

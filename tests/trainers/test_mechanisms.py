@@ -15,7 +15,7 @@ MECHANISMS = {
     "user_dpsgd": {"accountant": "rdp"},  # RDP calibrates faster; PLD runs in test_drop_in
     "group": {"accountant": "rdp"},
     "user_dpsgd_adaptive": {"accountant": "rdp", "per_user_max_grad_norm": 5.0, "target_unclipped_quantile": 0.5},
-    # AUP-RLHF needs large steps or it halts (benchmarks/README.md): every one of 40 users in every step
+    # AUP-RLHF needs large steps or it halts (docs/benchmarks.md): every one of 40 users in every step
     # seeded: AboveThreshold's Laplace draws from the OS halt a few runs in a hundred, which is not under test here
     "aup": {"concentration_radius": 5.0, "users_per_batch": 40.0, "max_users_per_batch": 40, "privacy_seed": 0,
             "dataset": text_preference_dataset(n_users=40, pairs_per_user=1)},

@@ -276,7 +276,9 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
         optim="sgd", learning_rate=args.reward_lr, lr_scheduler_type="constant", weight_decay=0.0, max_length=None,
         max_grad_norm=0.0, gradient_checkpointing=False,  # no raw-gradient clipping (DP clips per user); nothing to recompute
         seed=seed, data_seed=seed, save_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
-        disable_tqdm=True, **privacy)
+        # bf16 autocast, TRL's default when these results were made (docs/pipeline_results.json); the package's
+        # configs now leave bf16 off on a CPU unless asked, so it is asked here (docs/privacy_model.md, "Precision and paths")
+        bf16=True, disable_tqdm=True, **privacy)
     model = new_reward_model(encoder, seed)
     trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=dataset, processing_class=encoder.tokenizer)
     trainer.train()
