@@ -4,6 +4,8 @@ import json
 import math
 import os
 
+import pytest
+
 from benchmarks import chowdhury_simulation, corruption_separation
 
 
@@ -24,6 +26,7 @@ def test_corruption_separation_reports_the_bias_ratio(tmp_path):
     assert os.path.exists(tmp_path / "corruption_separation.json")
 
 
+@pytest.mark.slow  # a minute of CPU between them: benchmarks are opt-in runs
 def test_user_level_theory_runs_a_tiny_grid_on_nested_data(tmp_path):
     from benchmarks import user_level_theory
 
@@ -56,6 +59,7 @@ def test_step_cost_benchmark_runs_a_tiny_setting(tmp_path):
     assert os.path.exists(tmp_path / "step_cost.json")
 
 
+@pytest.mark.slow  # a minute of CPU between them: benchmarks are opt-in runs
 def test_pipeline_seeds_varies_one_seed_at_a_time(tmp_path):
     from benchmarks import pipeline_seeds
 
