@@ -1,5 +1,5 @@
 """AUP-RLHF's formulas, written once (docs/mechanisms.md, M4). ``AUPOptimizer``, ``AdaptiveUserPrivacyEngine``,
-the linear estimator (``trl_userdp.linear.aup_rlhf``), ``trl-userdp account`` and the benchmarks all take them
+the linear estimator (``trl_userdp.experiments.linear.aup_rlhf``), ``trl-userdp account`` and the benchmarks all take them
 from here, so the σ the CLI prints is the σ the engine trains with; and the mechanism object (:class:`AUPRLHF`)."""
 
 from __future__ import annotations
