@@ -100,7 +100,8 @@ class UserDPArguments:
     def __post_init__(self):
         if getattr(self, "bf16", False) is None and not getattr(self, "fp16", False):
             # TRL turns an unset bf16 on, which transformers refuses where no accelerator has bf16: unset means bf16
-            # where the hardware has it, so a config written as TRL's docs write it runs on a CPU-only machine too
+            # on an accelerator that has it (on a CPU, bf16 autocast only when asked for), so a config written as
+            # TRL's docs write it runs on a CPU-only machine too
             self.bf16 = not getattr(self, "use_cpu", False) and is_torch_bf16_gpu_available()
         super().__post_init__()
         self._validate_privacy_fields()
