@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from .test_privacy_engine import _linear_task, _loss
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
@@ -37,19 +38,14 @@ def _cap_steps(code: str) -> str:
 
 
 def _linear_names():
-    """A linear task of 100 users × 2 rows: a model, its optimizer, the dataset and its users."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(200, 5, generator=g)
-    y = (x[:, 0] > 0).float()
+    """The engine tests' linear task with 100 users (AUP's snippet draws 50 a step): model, optimizer, data, users."""
+    dataset, user_ids = _linear_task(n_users=100)
     model = torch.nn.Linear(5, 1)
-    return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=TensorDataset(x, y),
-                user_ids=[i // 2 for i in range(200)])
+    return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset, user_ids=user_ids)
 
 
 def _torch_loop():
-    names = _linear_names()
-    names["loss_fn"] = lambda out, y: torch.nn.functional.binary_cross_entropy_with_logits(out.squeeze(-1), y)
-    return names
+    return dict(_linear_names(), loss_fn=_loss)
 
 
 def _aup():

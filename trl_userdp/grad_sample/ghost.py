@@ -422,12 +422,8 @@ class UserGhostHooks(UserGradSampleHooks):
         return total
 
     def _accumulate_unit_sum(self, p: nn.Parameter, g: torch.Tensor) -> None:
-        acc = getattr(p, "_unit_grad", None)
-        if acc is None or acc.shape[0] < g.shape[0]:
-            grown = torch.zeros_like(g)
-            if acc is not None:
-                grown[: acc.shape[0]] += acc
-            acc = grown
+        """Add unit gradients ``g`` ``[U, *p.shape]`` to ``p``'s materialised per-unit sums."""
+        acc = self._unit_sums(p, g.shape[0], g)
         acc[: g.shape[0]] += g.to(acc.dtype)
         p._unit_grad = p.grad_sample = acc
 

@@ -153,13 +153,7 @@ class UserGradSampleHooks(GradSampleHooks):
         if rows.shape[0] != len(slots):
             self._row_mismatch(p, rows.shape[0], len(slots))
         slots = slots.to(rows.device)
-        n = len(self.unit_ids)
-        acc = getattr(p, "_unit_grad", None)
-        if acc is None or acc.shape[0] < n:
-            grown = torch.zeros((n, *rows.shape[1:]), device=rows.device, dtype=rows.dtype)
-            if acc is not None:
-                grown[: acc.shape[0]] = acc
-            acc = grown
+        acc = self._unit_sums(p, len(self.unit_ids), rows)
         acc.index_add_(0, slots, rows)
         if self.record_row_norms and len(slots):
             # for the optimizer's self-check: what autograd's gradient must be (each micro-batch's loss is the mean
@@ -170,6 +164,18 @@ class UserGradSampleHooks(GradSampleHooks):
         p._unit_grad = acc
         p.grad_sample = acc
         p._row_dtype = rows.dtype  # the self-check's tolerance follows it (bf16 rows under autocast)
+
+    @staticmethod
+    def _unit_sums(p: nn.Parameter, n_units: int, like: torch.Tensor) -> torch.Tensor:
+        """``p``'s per-unit sums of this step, grown with zero rows to ``n_units`` (device and dtype of ``like``
+        when new)."""
+        acc = getattr(p, "_unit_grad", None)
+        if acc is None or acc.shape[0] < n_units:
+            grown = torch.zeros((n_units, *like.shape[1:]), device=like.device, dtype=like.dtype)
+            if acc is not None:
+                grown[: acc.shape[0]] = acc
+            acc = grown
+        return acc
 
     def received_gradient(self, p: nn.Parameter) -> bool:
         """Whether autograd gave ``p`` a non-zero gradient in this step (a use the hooks must have seen)."""
