@@ -28,7 +28,11 @@ from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, print_table, write_results
 from trl_userdp.experiments.pipeline import PipelineArguments
-from trl_userdp.experiments.pipeline import sentiment as pipeline
+from trl_userdp.experiments.pipeline.data import build_sentiment_data
+from trl_userdp.experiments.pipeline.embedding_reward import MiniLMEncoder
+from trl_userdp.experiments.pipeline.evaluation import evaluate_policy, paired
+from trl_userdp.experiments.pipeline.policy import build_sft_policy, train_policy
+from trl_userdp.experiments.pipeline.reward import needs_public_tau, public_tau, train_reward_model
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
@@ -50,15 +54,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         overrides[name] = next(t(value) for t in (int, float, str) if t.__name__ in fields[name] or t is str)
     args = PipelineArguments(output_dir=opts.work_dir, mechanisms=opts.mechanisms, **overrides)
 
-    data = pipeline.build_sentiment_data(args)
-    encoder = pipeline.MiniLMEncoder()
+    data = build_sentiment_data(args)
+    encoder = MiniLMEncoder()
     emb = encoder(data.pool, progress=True)
-    sft_path = pipeline.build_sft_policy(data, args)
+    sft_path = build_sft_policy(data, args)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sft = AutoModelForCausalLM.from_pretrained(sft_path).eval()
-    sft_point = pipeline.evaluate_policy(sft, sft, AutoTokenizer.from_pretrained(sft_path), data.test_prompts,
-                                         data.gold, args, args.seed + 1)
+    sft_point = evaluate_policy(sft, sft, AutoTokenizer.from_pretrained(sft_path), data.test_prompts, data.gold, args,
+                                args.seed + 1)
 
     runs: List[Dict[str, object]] = []
     plan = [(mech, kind, s) for mech in opts.mechanisms for kind in ("reward", "rl") for s in range(opts.seeds)
@@ -69,11 +73,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         reward_seed, rl_seed = (s, 0) if kind == "reward" else (0, s)
         run_args = dataclasses.replace(args, reward_seed=reward_seed, rl_seed=rl_seed)
         if (mech, reward_seed) not in rewards:  # AUP-RLHF's τ at this seed's initial head, as in the pipeline
-            tau = pipeline.public_tau(encoder, emb, data, run_args) if pipeline.needs_public_tau(mech) else None
-            rewards[mech, reward_seed] = pipeline.train_reward_model(mech, epsilon, encoder, emb, data, run_args, tau)
+            tau = public_tau(encoder, emb, data, run_args) if needs_public_tau(mech) else None
+            rewards[mech, reward_seed] = train_reward_model(mech, epsilon, encoder, emb, data, run_args, tau)
         reward = rewards[mech, reward_seed]
-        policy = pipeline.train_policy(sft_path, reward, encoder, data, run_args, sft_point)
-        gain = pipeline.paired(policy["final"]["per_prompt"], sft_point["per_prompt"])
+        policy = train_policy(sft_path, reward, encoder, data, run_args, sft_point)
+        gain = paired(policy["final"]["per_prompt"], sft_point["per_prompt"])
         runs.append({"mechanism": mech, "epsilon": epsilon, "reward_seed": reward_seed, "rl_seed": rl_seed,
                      "reward_model_pair_accuracy": reward.eval_accuracy, "gain_over_sft": gain,
                      "kl": policy["final"]["kl"]})

@@ -19,7 +19,7 @@ from trl import TrlParser
 
 from trl_userdp import UserDPDPOConfig, UserDPDPOTrainer
 from trl_userdp.experiments.imdb import public_corpus
-from trl_userdp.experiments.pipeline.sentiment import imdb_preference_dataset, small_causal_lm
+from trl_userdp.experiments.pipeline import imdb_preference_dataset, small_causal_lm
 
 DEFAULTS = ["--output_dir", "runs/dpo", "--max_steps", "20", "--per_device_train_batch_size", "8",
             "--learning_rate", "1e-3", "--logging_steps", "5", "--report_to", "none", "--bf16", "false",

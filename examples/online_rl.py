@@ -18,7 +18,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import GRPOConfig, TrlParser
 
 from trl_userdp.experiments.imdb import load_imdb_reviews, public_corpus
-from trl_userdp.experiments.pipeline.sentiment import small_causal_lm
+from trl_userdp.experiments.pipeline import small_causal_lm
 from trl_userdp.trainers import UserDPGRPOTrainer
 
 DEFAULTS = ["--output_dir", "runs/online_rl", "--max_steps", "10", "--per_device_train_batch_size", "8",

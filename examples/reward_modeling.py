@@ -21,7 +21,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import TrlParser
 
 from trl_userdp import UserDPRewardConfig, UserDPRewardTrainer
-from trl_userdp.experiments.pipeline.sentiment import imdb_preference_dataset
+from trl_userdp.experiments.pipeline import imdb_preference_dataset
 
 DEFAULTS = ["--output_dir", "runs/reward", "--max_steps", "60", "--per_device_train_batch_size", "16",
             "--learning_rate", "1e-2", "--logging_steps", "10", "--report_to", "none", "--bf16", "false",

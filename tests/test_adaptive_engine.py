@@ -10,6 +10,7 @@ from dp_accounting import pld
 from torch.utils.data import DataLoader, TensorDataset
 
 import trl_userdp
+from trl_userdp.mechanisms.aup import default_max_users_per_batch
 
 
 def _task(n_users=300, m=4, seed=0):
@@ -210,7 +211,7 @@ def test_tau_from_public_users_makes_the_private_run_pass():
 def _private_radius_loader(n_users=300, upb=60.0, seed=0):
     dataset, ids = _task(n_users)
     return trl_userdp.UserDataLoader(dataset, users_per_batch=upb, user_ids=ids, seed=seed, steps=1,
-                                     max_users_per_batch=trl_userdp.adaptive_engine.default_max_users_per_batch(upb))
+                                     max_users_per_batch=default_max_users_per_batch(upb))
 
 
 def test_tau_from_a_small_private_budget_is_the_first_radius_whose_score_clears_the_threshold():

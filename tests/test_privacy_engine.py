@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import trl_userdp
 from trl_userdp.accountants.analysis import RDP_ORDERS
+from trl_userdp.mechanisms import GroupPrivacy
 
 from .helpers import make_private
 from .tiny_models import MODELS, btl_pair_losses, preference_dataset
@@ -185,7 +186,7 @@ def test_a_fixed_sigma_with_a_target_trains_until_the_budget_is_spent():
 @pytest.mark.parametrize("group_accounting", ["conversion", "els"])
 def test_group_baseline_accounts_records_through_group_privacy(group_accounting):
     engine, model, optimizer, loader, _ = make_private(
-        MODELS["llama"](), mechanism="group", group_accounting=group_accounting, noise_multiplier=3.0,
+        MODELS["llama"](), mechanism=GroupPrivacy(group_accounting), noise_multiplier=3.0,
         max_grad_norm=1.0, users_per_batch=3, max_samples_per_user=3, dataset=preference_dataset(),  # 3 pairs each
     )
     n_records = len(loader.user_dataset)
@@ -287,7 +288,7 @@ def test_wrong_per_sample_gradients_refuse_to_train(model, match, mode):
         (dict(user_ids=None), "user_ids"),
         (dict(mechanism="item"), "mechanism"),
         (dict(grad_sample_mode="ew"), "grad_sample_mode"),
-        (dict(mechanism="group", group_accounting="els"), "PLD"),
+        (dict(mechanism=GroupPrivacy("els")), "PLD"),
     ],
 )
 def test_bad_input_raises_before_training(kwargs, match):

@@ -1,46 +1,49 @@
-"""trl_userdp: user-level differential privacy for RLHF on Opacus and TRL."""
+"""trl_userdp: user-level differential privacy for RLHF on Opacus and TRL.
 
-from .accountants import PrivacyReport
-from .adaptive_engine import AdaptiveUserPrivacyEngine, propose_concentration_radius, propose_concentration_radius_private
-from .data import UserDataLoader, bound_contributions
-from .grad_sample import UserGradSampleHooks
-from .optimizers import AUPOptimizer, PrivacyBudgetExhausted, UserDPOptimizer
-from .privacy_engine import PrivacyEngine
+The names below are imported on first use, so that importing a lower layer (``trl_userdp.mechanisms``,
+``trl_userdp.accountants``, ``trl_userdp.data``) does not pull in the engines, the optimizers or the trainers.
+"""
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0.dev0"
 
-#: Trainer names, imported on first use (they pull in transformers' Trainer and TRL).
-_TRAINERS = (
-    "UserDPDPOConfig",
-    "UserDPDPOTrainer",
-    "UserDPGRPOTrainer",
-    "UserDPKTOConfig",
-    "UserDPKTOTrainer",
-    "UserDPRLOOTrainer",
-    "UserDPRewardConfig",
-    "UserDPRewardTrainer",
-)
+#: public name -> the module that defines it
+_EXPORTS = {
+    "AUPOptimizer": ".optimizers",
+    "AdaptiveUserPrivacyEngine": ".adaptive_engine",
+    "PrivacyBudgetExhausted": ".optimizers",
+    "PrivacyEngine": ".privacy_engine",
+    "PrivacyReport": ".accountants",
+    "UserDPOptimizer": ".optimizers",
+    "UserDataLoader": ".data",
+    "UserGradSampleHooks": ".grad_sample",
+    "bound_contributions": ".data",
+    "propose_concentration_radius": ".adaptive_engine",
+    "propose_concentration_radius_private": ".adaptive_engine",
+    # the trainers pull in transformers' Trainer and TRL
+    "UserDPDPOConfig": ".trainers",
+    "UserDPDPOTrainer": ".trainers",
+    "UserDPGRPOTrainer": ".trainers",
+    "UserDPKTOConfig": ".trainers",
+    "UserDPKTOTrainer": ".trainers",
+    "UserDPRLOOTrainer": ".trainers",
+    "UserDPRewardConfig": ".trainers",
+    "UserDPRewardTrainer": ".trainers",
+}
 
 
-def __getattr__(name: str):
-    if name in _TRAINERS:
-        from . import trainers
-
-        return getattr(trainers, name)
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = [
-    "AUPOptimizer",
-    "AdaptiveUserPrivacyEngine",
-    "PrivacyBudgetExhausted",
-    "PrivacyEngine",
-    "PrivacyReport",
-    "UserDPOptimizer",
-    "UserDataLoader",
-    "UserGradSampleHooks",
-    "__version__",
-    *_TRAINERS,
-    "bound_contributions",
-    "propose_concentration_radius",
-    "propose_concentration_radius_private",
-]
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = ["__version__", *sorted(_EXPORTS)]

@@ -9,8 +9,21 @@ import torch
 
 
 def load_plain(path: Any, **kwargs: Any) -> Any:
-    """``torch.load(path, weights_only=True)``: tensors, numbers, strings and containers only. A file that
-    needs anything else (a pickled object, a planted payload) is refused before any of it runs."""
+    """``torch.load(path, weights_only=True)``: tensors, numbers, strings and containers only.
+
+    A file that needs anything else (a pickled object, a planted payload) is refused before any of it runs.
+
+    Args:
+        path: The file to load (anything ``torch.load`` accepts).
+        **kwargs: Passed to ``torch.load``; ``weights_only`` may only be True.
+
+    Returns:
+        The loaded object.
+
+    Raises:
+        ValueError: If ``weights_only`` is not True, if the file holds more than plain data, or if it is
+            truncated or not a torch file.
+    """
     if kwargs.pop("weights_only", True) is not True:
         raise ValueError("Privacy state is loaded with weights_only=True only.")
     try:

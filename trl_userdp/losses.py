@@ -34,18 +34,43 @@ def _check_reduction(reduction: str) -> str:
 
 
 def flip_rate_from_epsilon(epsilon: float) -> float:
-    """Binary randomized response at ε flips a label with probability ``1 − σ(ε) = σ(−ε)``."""
+    """The probability that binary randomized response at ε flips a label.
+
+    Args:
+        epsilon: The per-label budget ε.
+
+    Returns:
+        ``1 − σ(ε) = σ(−ε)``.
+
+    Raises:
+        ValueError: If ``epsilon`` is not a finite number > 0.
+    """
     return rr_move_probability(epsilon, 2)
 
 
 class BTLLoss(nn.Module):
-    """Bradley–Terry negative log-likelihood, ``softplus(−z)`` per pair (the non-private loss)."""
+    """Bradley–Terry negative log-likelihood, ``softplus(−z)`` per pair (the non-private loss).
+
+    Args:
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Raises:
+        ValueError: If ``reduction`` is unknown.
+    """
 
     def __init__(self, reduction: str = "mean"):
         super().__init__()
         self.reduction = _check_reduction(reduction)
 
     def forward(self, margin: torch.Tensor) -> torch.Tensor:
+        """The loss of each pair's margin.
+
+        Args:
+            margin: The margins ``z`` [B], in the observed orientation.
+
+        Returns:
+            The reduced loss.
+        """
         return _reduce(F.softplus(-margin), self.reduction)
 
 
@@ -55,12 +80,16 @@ class RRDebiasedRewardLoss(nn.Module):
     With ``s = σ(ε')`` and ``u = 2ỹ − 1`` (``u = +1`` in the observed orientation):
     ``loss = (2s − 1)·softplus(−u z) − (1 − s)·u z``. It is convex in ``z`` for every ε' > 0, can be
     negative, and its gradient is ``(2s − 1)(σ(z) − ȳ)`` with the de-biased label
-    ``ȳ = (ỹ − (1 − s))/(2s − 1)``, whose expectation over RR is the clean label. ``normalize=True``
-    divides by ``2s − 1``: the gradient is then an unbiased estimate of the clean BTL gradient.
+    ``ȳ = (ỹ − (1 − s))/(2s − 1)``, whose expectation over RR is the clean label.
 
     Args:
         epsilon: the *per-label* RR parameter ε' (ε/m for user-level RR; see
             :attr:`trl_userdp.mechanisms.UserRandomizedResponse.epsilon_per_label`).
+        normalize: divide by ``2s − 1``: the gradient is then an unbiased estimate of the clean BTL gradient.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Raises:
+        ValueError: If ``epsilon`` is not a finite number > 0 or ``reduction`` is unknown.
     """
 
     def __init__(self, epsilon: float, normalize: bool = False, reduction: str = "mean"):
@@ -71,8 +100,16 @@ class RRDebiasedRewardLoss(nn.Module):
         self.reduction = _check_reduction(reduction)
 
     def forward(self, margin: torch.Tensor, observed_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``observed_labels`` (ỹ ∈ {0, 1}, 1 = the first response preferred) if the margins are not
-        already oriented by the observed label."""
+        """The de-biased loss of each pair's margin.
+
+        Args:
+            margin: The margins ``z`` [B].
+            observed_labels: The observed labels ỹ ∈ {0, 1} [B] (1 = the first response preferred), if the
+                margins are not already oriented by the observed label.
+
+        Returns:
+            The reduced loss.
+        """
         u = 1.0 if observed_labels is None else 2.0 * observed_labels.to(margin.dtype) - 1.0
         s = self.keep
         loss = (2 * s - 1) * F.softplus(-u * margin) - (1 - s) * u * margin
@@ -82,13 +119,21 @@ class RRDebiasedRewardLoss(nn.Module):
 
 
 class RobustDPOLoss(nn.Module):
-    """rDPO (Chowdhury et al. 2024; Zhou et al. eq. 16) for labels flipped at rate ρ:
-    ``[−(1 − ρ)·log σ(m) + ρ·log σ(−m)] / (1 − 2ρ)`` on the implicit-reward margin ``m = β·Δ``.
+    """rDPO (Chowdhury et al. 2024; Zhou et al. eq. 16) for labels flipped at rate ρ.
 
-    Equal to TRL's ``loss_type="robust"`` with ``label_smoothing=ρ``; plain DPO at ρ = 0. Give exactly
-    one of ``flip_rate`` (ρ ∈ [0, 1/2)) or ``epsilon`` (the per-label RR ε', so ρ = σ(−ε')).
+    ``[−(1 − ρ)·log σ(m) + ρ·log σ(−m)] / (1 − 2ρ)`` on the implicit-reward margin ``m = β·Δ``.
+    Equal to TRL's ``loss_type="robust"`` with ``label_smoothing=ρ``; plain DPO at ρ = 0.
     Zhou et al.: the same loss serves corruption-then-privacy and privacy-then-corruption; it needs
     neither the corruption rate nor the order.
+
+    Args:
+        flip_rate: The flip rate ρ ∈ [0, 1/2); give exactly one of ``flip_rate`` and ``epsilon``.
+        epsilon: The per-label RR ε', so ρ = σ(−ε').
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Raises:
+        ValueError: If both or neither of ``flip_rate`` and ``epsilon`` are given, ρ is not in [0, 1/2),
+            ``epsilon`` is not a finite number > 0, or ``reduction`` is unknown.
     """
 
     def __init__(self, flip_rate: Optional[float] = None, epsilon: Optional[float] = None, reduction: str = "mean"):
@@ -104,6 +149,14 @@ class RobustDPOLoss(nn.Module):
         self.reduction = _check_reduction(reduction)
 
     def forward(self, margin: torch.Tensor) -> torch.Tensor:
+        """The rDPO loss of each pair's margin.
+
+        Args:
+            margin: The implicit-reward margins ``m = β·Δ`` [B], in the observed orientation.
+
+        Returns:
+            The reduced loss.
+        """
         rho = self.flip_rate
         loss = (-(1 - rho) * F.logsigmoid(margin) + rho * F.logsigmoid(-margin)) / (1 - 2 * rho)
         return _reduce(loss, self.reduction)
@@ -114,8 +167,16 @@ class PlackettLuceLoss(nn.Module):
 
     With ``epsilon`` (the per-label K-RR parameter ε'), the K-RR de-biased form of Chowdhury et al.
     §C.4: ``−log p_ỹ + (1/(e^ε' + K − 1))·Σ_k log p_k``, whose gradient has expectation
-    ``(e^ε' − 1)/(e^ε' + K − 1)`` times the clean one; ``normalize=True`` divides by that factor
-    (unbiased). For K = 2 it is :class:`BTLLoss` / :class:`RRDebiasedRewardLoss`.
+    ``(e^ε' − 1)/(e^ε' + K − 1)`` times the clean one. For K = 2 it is :class:`BTLLoss` /
+    :class:`RRDebiasedRewardLoss`.
+
+    Args:
+        epsilon: The per-label K-RR parameter ε', or None for the plain loss.
+        normalize: With ``epsilon``, divide by ``(e^ε' − 1)/(e^ε' + K − 1)`` (unbiased).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Raises:
+        ValueError: If ``epsilon`` is given and not a finite number > 0, or ``reduction`` is unknown.
     """
 
     def __init__(self, epsilon: Optional[float] = None, normalize: bool = False, reduction: str = "mean"):
@@ -125,7 +186,18 @@ class PlackettLuceLoss(nn.Module):
         self.reduction = _check_reduction(reduction)
 
     def forward(self, scores: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
-        """``scores``: [B, K]; ``observed``: [B] index of the (privatized) top response."""
+        """The loss of each ranking.
+
+        Args:
+            scores: The responses' scores [B, K].
+            observed: The index of the (privatized) top response [B].
+
+        Returns:
+            The reduced loss.
+
+        Raises:
+            ValueError: If ``scores`` is not of shape [B, K] with K ≥ 2.
+        """
         if scores.dim() != 2 or scores.shape[1] < 2:
             raise ValueError(f"scores must have shape [B, K] with K >= 2, got {tuple(scores.shape)}.")
         logp = F.log_softmax(scores, dim=-1)

@@ -1,11 +1,10 @@
 """``trl_userdp.PrivacyEngine``: Opacus's ``PrivacyEngine`` with ``make_private_user_level``.
 
-The mechanism (``"user_dpsgd"``, ``"group"``, or a :class:`~trl_userdp.mechanisms.GradientMechanism` object)
-supplies the loader, the optimizer class, the accounting event and the report name
-(:mod:`trl_userdp.mechanisms`; math in docs/mechanisms.md); the engine does the rest in one set-up path shared
-with :class:`~trl_userdp.AdaptiveUserPrivacyEngine`: model checks, contribution bounding, the accountant, σ,
-the hooks, the optimizer, and the step hook that accounts each step. Every privacy number comes from
-dp-accounting through the accountants of :mod:`trl_userdp.accountants`.
+The mechanism (a registered name or a :class:`~trl_userdp.mechanisms.GradientMechanism` object) supplies the loader,
+the accounting event, its budget split, the optimizer's kind and its report fields (:mod:`trl_userdp.mechanisms`; math
+in docs/mechanisms.md); the engine does the rest in one set-up path for every mechanism, AUP-RLHF included: model
+checks, contribution bounding, the accountant, σ, the hooks, the optimizer, and the step hook that accounts each step.
+Every privacy number comes from dp-accounting through the accountants of :mod:`trl_userdp.accountants`.
 """
 
 from __future__ import annotations
@@ -31,14 +30,13 @@ from .data.bounding import BoundingReport
 from .grad_sample import UserGhostHooks, UserGradSampleHooks, check_module, supply_position_ids
 from . import distributed
 from .mechanisms import GradientMechanism, get_mechanism
-from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer
+from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer, get_optimizer_class
 from .setup_options import SetupOptions
 from .validators import (
     check_delta,
     check_epsilon,
     check_max_samples_per_user,
     check_noise_multiplier,
-    check_positive,
     check_steps,
     warn_if_delta_is_large,
 )
@@ -50,17 +48,17 @@ OPTIMIZER_STATE_KEY = "trl_userdp_optimizer_state"
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
-    """Opacus's engine, plus user-level DP.
+    """Opacus's engine, plus user-level DP (:meth:`make_private_user_level`).
 
     Args:
         accountant: ``"rdp"`` or ``"pld"`` (dp-accounting; ``"prv"`` is taken as ``"pld"``, and the
             registered names ``"dp_rdp"`` / ``"dp_pld"`` are accepted).
         secure_mode: as in Opacus (needs ``torchcsprng``).
         neighboring_relation: ``"add_or_remove"`` (default) or ``"replace"`` one user (PLD only).
-    """
 
-    #: sets up the mechanisms marked ``adaptive`` (AUP-RLHF) instead of the others
-    adaptive = False
+    Raises:
+        ValueError: an unknown accountant or relation.
+    """
 
     def __init__(self, *, accountant: str = "pld", secure_mode: bool = False, neighboring_relation: str = "add_or_remove"):
         cls = accountant_class(accountant)
@@ -89,44 +87,61 @@ class PrivacyEngine(opacus.PrivacyEngine):
         module: nn.Module,
         optimizer: optim.Optimizer,
         data_loader: DataLoader,
-        max_grad_norm: float,
         max_samples_per_user: int,
         users_per_batch: float,
+        max_grad_norm: Optional[float] = None,
         noise_multiplier: Optional[float] = None,
         target_epsilon: Optional[float] = None,
         target_delta: Optional[float] = None,
         epochs: Optional[float] = None,
         steps: Optional[int] = None,
         mechanism: Union[str, GradientMechanism] = "user_dpsgd",
-        group_accounting: str = "conversion",
         **options: Any,
     ) -> Tuple[nn.Module, UserDPOptimizer, UserDataLoader]:
-        """Make ``(module, optimizer, data_loader)`` user-level private at noise multiplier σ.
+        """Make ``(module, optimizer, data_loader)`` user-level private.
 
-        ``noise_multiplier`` fixes σ; with ``target_epsilon``/``target_delta`` as well, ε is capped: the optimizer
-        refuses any step that would exceed it (:meth:`budget_allows_step`). Without ``noise_multiplier`` this is
-        :meth:`make_private_user_level_with_epsilon` (σ calibrated to the target over ``epochs``/``steps``).
-        ``mechanism``: ``"user_dpsgd"`` (M1), ``"group"`` (M2, with ``group_accounting`` ``"conversion"`` or
-        ``"els"``) or a :class:`~trl_userdp.mechanisms.GradientMechanism` object. ``data_loader`` supplies the
-        dataset and collate function; it is replaced by a :class:`~trl_userdp.data.UserDataLoader` over the
-        contribution-bounded dataset (at most ``max_samples_per_user`` rows per user, a seeded draw).
-        ``options`` are the :class:`~trl_userdp.setup_options.SetupOptions`: who wrote each row (``user_ids`` or a
-        ``user_column``), ``rows_per_example`` (2 for TRL's ``[chosen; rejected]`` collators), the seeds
-        (``bounding_seed``, ``sampling_seed``, ``noise_generator`` or ``noise_seed``), ``self_check``,
-        ``grad_sample_mode``, ``user_key`` and ``micro_batches`` (each draw as that many micro-batches, one
-        ``optimizer.step()`` after the last: a large logical step in bounded memory).
-        Every batch the loader yields must be used by one ``optimizer.step()``.
-        The loss must be the mean over the batch's rows; each user counts as the average of its rows.
-        Under ``torch.distributed`` (one process per device, the plain module on each) every rank draws the
-        same users and keeps its shard (``user % world_size == rank``), parameters start from rank 0's,
-        and a :class:`~trl_userdp.optimizers.DistributedUserDPOptimizer` all-reduces the clipped sums with
-        one noise draw (rank 0's). Returns the model itself (hooks attached),
-        the :class:`~trl_userdp.optimizers.UserDPOptimizer` and the loader. One epoch is
-        ``round(1/q)`` steps.
+        The mechanism supplies the loader, the accounting event, the budget split, the optimizer (by its
+        ``clipping``, :func:`~trl_userdp.optimizers.get_optimizer_class`) and its report fields
+        (:mod:`trl_userdp.mechanisms`; math in docs/mechanisms.md). The loss must be the mean over the batch's rows;
+        each user counts as the average of its rows. Every batch the loader yields must be used by one
+        ``optimizer.step()``. One epoch is ``round(1/q)`` steps.
+
+        Under ``torch.distributed`` (one process per device, the plain module on each) every rank draws the same
+        users and keeps its shard (``user % world_size == rank``), parameters start from rank 0's, and a
+        :class:`~trl_userdp.optimizers.DistributedUserDPOptimizer` all-reduces the clipped sums with one noise draw
+        (rank 0's).
+
+        Args:
+            module: the model, in training mode (the plain module, not a DDP wrapper).
+            optimizer: the optimizer over its parameters, wrapped by the private one.
+            data_loader: supplies the dataset and collate function; it is replaced by a
+                :class:`~trl_userdp.data.UserDataLoader` over the contribution-bounded dataset.
+            max_samples_per_user: m; a user's rows beyond it are dropped by a seeded draw.
+            users_per_batch: ñ, the expected users per step (q = ñ/n).
+            max_grad_norm: C, the clip of each user's averaged gradient (AUP-RLHF takes τ instead).
+            noise_multiplier: a fixed σ; with ``target_epsilon``/``target_delta`` as well, ε is capped (the optimizer
+                refuses any step past it). Without it σ is calibrated to the target over ``epochs``/``steps``.
+            target_epsilon: the target ε.
+            target_delta: the target δ.
+            epochs: the planned epochs (σ depends on them).
+            steps: the planned steps, instead of ``epochs``.
+            mechanism: a registered name (``"user_dpsgd"``, ``"group"``, ``"user_dpsgd_adaptive"``) or a
+                :class:`~trl_userdp.mechanisms.GradientMechanism` object (``GroupPrivacy("els")``,
+                ``AUPRLHF(concentration_radius=...)``).
+            **options: the :class:`~trl_userdp.setup_options.SetupOptions`: who wrote each row (``user_ids`` or a
+                ``user_column``), ``rows_per_example``, the seeds, ``self_check``, ``grad_sample_mode``, ``user_key``
+                and ``micro_batches``.
+
+        Returns:
+            The model itself (hooks attached), the private optimizer and the user-level loader.
+
+        Raises:
+            ValueError: a setting that would break the guarantee or the per-user gradients, before anything runs.
         """
-        mech = self._resolve_mechanism(mechanism, group_accounting=group_accounting)
+        mech = self._resolve_mechanism(mechanism)
         opts = SetupOptions(**options)
-        check_positive(max_grad_norm, "max_grad_norm")
+        mech.check_setup(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                         world_size=distributed.world_size(), grad_sample_mode=opts.grad_sample_mode)
         if noise_multiplier is None:
             if target_epsilon is None:
                 raise ValueError("Give `noise_multiplier`, or `target_epsilon` with `target_delta` (or both: a fixed σ "
@@ -137,26 +152,21 @@ class PrivacyEngine(opacus.PrivacyEngine):
             if target_epsilon is not None:
                 check_epsilon(target_epsilon)
                 check_delta(target_delta)
+        budget = None if target_epsilon is None else mech.budget(target_epsilon, target_delta)
         m = self._check_model(module, optimizer, max_samples_per_user)
         opts = self._join_processes(module, opts)
         bounded = self._bound(data_loader, m, opts, target_delta)
-        loader, expected_units = mech.make_loader(
-            bounded, n_users=self.bounding.n_users, users_per_batch=users_per_batch, max_samples_per_user=m,
-            **self._loader_options(data_loader, opts),
-        )
-        self._install_accountant(loader.sample_rate, mech.step_event(max_samples_per_user=m, n_users=self.bounding.n_users))
-        total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, loader.sample_rate)
         self._calibrated = noise_multiplier is None
-        if self._calibrated:
-            noise_multiplier = self.accountant.calibrate(target_epsilon, target_delta, sample_rate=loader.sample_rate,
-                                                         steps=total_steps)
+        loader, expected_units, noise_multiplier, total_steps = self._plan(
+            mech, bounded, data_loader, opts, m=m, users_per_batch=users_per_batch, epochs=epochs, steps=steps,
+            noise_multiplier=noise_multiplier, budget=budget)
         dp_optimizer = self._make_optimizer(
-            mech.optimizer_class(distributed.world_size()), optimizer, module, opts,
-            budget_guard=self._check_budget if target_epsilon is not None else None,
-            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_units,
-            **mech.optimizer_options(expected_units),
+            get_optimizer_class(mech.clipping, distributed.world_size() > 1, opts.grad_sample_mode),
+            optimizer, module, opts, budget_guard=self._check_budget if budget is not None else None,
+            noise_multiplier=noise_multiplier, expected_batch_size=expected_units,
+            **mech.optimizer_options(max_grad_norm=max_grad_norm, expected_units=expected_units, steps=total_steps,
+                                     target_epsilon=target_epsilon, target_delta=target_delta),
         )
-        budget = None if target_epsilon is None else (target_epsilon, target_delta)
         return self._finish(module, dp_optimizer, loader, mech, total_steps, budget)
 
     def make_private_user_level_with_epsilon(
@@ -166,25 +176,58 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """As Opacus's ``make_private_with_epsilon``: σ is the smallest noise multiplier for which ``epochs`` or
         ``steps`` steps at this run's user sampling rate meet ``(target_epsilon, target_delta)`` with this engine's
         accountant (it needs the bounded dataset's user count, so it is found during set-up), and the optimizer
-        refuses any step past the target. ``kwargs``: those of :meth:`make_private_user_level` but ``noise_multiplier``."""
+        refuses any step past the target.
+
+        Args:
+            target_epsilon: the target ε.
+            target_delta: the target δ.
+            epochs: the planned epochs.
+            steps: the planned steps, instead of ``epochs``.
+            **kwargs: those of :meth:`make_private_user_level` but ``noise_multiplier``.
+
+        Returns:
+            As :meth:`make_private_user_level`.
+
+        Raises:
+            ValueError: a ``noise_multiplier`` is given, or the target or its length is missing or invalid.
+        """
         if "noise_multiplier" in kwargs:
             raise ValueError("make_private_user_level_with_epsilon calibrates σ; to fix σ use make_private_user_level.")
         self._check_target(target_epsilon, target_delta, epochs, steps)
         return self.make_private_user_level(target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
                                             steps=steps, **kwargs)
 
-    # -- the set-up steps, shared with AdaptiveUserPrivacyEngine --------------------------------
-    def _resolve_mechanism(self, mechanism: Union[str, GradientMechanism], **options: Any) -> GradientMechanism:
-        """The mechanism object for ``mechanism`` (a registered name, built from ``options``, or an object), which
-        must be one this engine sets up."""
-        mech = get_mechanism(mechanism, "mechanism").from_options(**options) if isinstance(mechanism, str) else mechanism
-        if not isinstance(mech, GradientMechanism):
-            raise ValueError(f"{type(self).__name__} sets up gradient mechanisms; {mech.name!r} is a {mech.kind!r} "
-                             "mechanism.")
-        if mech.adaptive != self.adaptive:
-            raise ValueError(f"Mechanism {mech.name!r} is set up by "
-                             f"{'AdaptiveUserPrivacyEngine' if mech.adaptive else 'PrivacyEngine'}, not {type(self).__name__}.")
-        return mech
+    # -- the set-up steps (AdaptiveUserPrivacyEngine adds AUP-RLHF's phases in _plan) -------------
+    @staticmethod
+    def _resolve_mechanism(mechanism: Union[str, GradientMechanism]) -> GradientMechanism:
+        """The mechanism object for ``mechanism`` (a registered name, built with its defaults, or an object)."""
+        if isinstance(mechanism, str):
+            cls = get_mechanism(mechanism, "mechanism")
+            try:
+                mechanism = cls()
+            except TypeError:
+                raise ValueError(f"mechanism={mechanism!r} needs its options: pass a {cls.__name__}(...) object "
+                                 "(docs/engine.md).") from None
+        if not isinstance(mechanism, GradientMechanism):
+            raise ValueError(f"make_private_user_level sets up gradient mechanisms; {mechanism.name!r} is a "
+                             f"{mechanism.kind!r} mechanism.")
+        return mechanism
+
+    def _plan(self, mech: GradientMechanism, bounded: Any, data_loader: DataLoader, opts: SetupOptions, *, m: int,
+              users_per_batch: float, epochs: Optional[float], steps: Optional[int],
+              noise_multiplier: Optional[float], budget: Optional[Tuple[float, float]],
+              ) -> Tuple[UserDataLoader, float, float, Optional[int]]:
+        """The mechanism's loader and accountant, and σ (calibrated to ``budget`` over the planned steps when no
+        ``noise_multiplier`` is given). Returns ``(loader, expected units per step, σ, planned steps)``."""
+        loader, expected_units = mech.make_loader(
+            bounded, n_users=self.bounding.n_users, users_per_batch=users_per_batch, max_samples_per_user=m,
+            **self._loader_options(data_loader, opts))
+        self._install_accountant(loader.sample_rate, mech.step_event(
+            max_samples_per_user=m, n_users=self.bounding.n_users, users_per_batch=users_per_batch))
+        total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, loader.sample_rate)
+        if noise_multiplier is None:
+            noise_multiplier = self.accountant.calibrate(*budget, sample_rate=loader.sample_rate, steps=total_steps)
+        return loader, expected_units, noise_multiplier, total_steps
 
     @staticmethod
     def _check_target(target_epsilon, target_delta, epochs, steps) -> None:
@@ -275,6 +318,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         dp_optimizer.attach_step_hook(self._account_step)
         if loader.user_key is None:
             loader.add_batch_callback(dp_optimizer.hooks.set_row_users)
+        loader.stop_when = lambda: dp_optimizer.halted  # AUP-RLHF's AboveThreshold can halt a run
         self.mechanism, self.hooks, self.optimizer, self.data_loader = mechanism, dp_optimizer.hooks, dp_optimizer, loader
         self.planned_steps = total_steps
         self.budget = budget
@@ -284,14 +328,30 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """The optimizer's step hook: one step at (σ, q) in the current accountant."""
         self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=self.data_loader.sample_rate)
 
+    def get_epsilon(self, delta: float) -> float:
+        """The run's ε at ``delta`` so far: the accountant's, as the mechanism reads it (AUP-RLHF adds what
+        AboveThreshold and the choice of τ spent).
+
+        Args:
+            delta: the δ at which ε is read.
+
+        Returns:
+            ε (0 before any step).
+        """
+        accounted = self.accountant.get_epsilon(delta)
+        return accounted if self.mechanism is None else self.mechanism.epsilon(accounted, self.optimizer)
+
     def steps_accounted(self) -> int:
         """Private steps accounted so far (restored from checkpoints): the position of the next step's noise."""
         return self.accountant.steps_taken
 
     def budget_allows_step(self) -> bool:
-        """Whether one more step stays within the budget, read from the accountant (so it survives
-        checkpoint resumes). With one (σ, q) throughout, a step is allowed while fewer than the T steps
-        σ was calibrated for are accounted; otherwise ε of the history plus one step is computed."""
+        """Whether one more step stays within the budget, read from the accountant (so it survives checkpoint resumes).
+
+        Returns:
+            With one (σ, q) throughout, whether fewer than :meth:`affordable_steps` are accounted; otherwise whether ε
+            of the history plus one step stays within the budget. Always True without a budget.
+        """
         if self.budget is None:
             return True
         eps, delta = self.budget
@@ -305,8 +365,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
         return trial.get_epsilon(delta) <= eps
 
     def affordable_steps(self) -> int:
-        """Most steps at this run's (σ, q) within the budget: the planned T when σ was calibrated to it,
-        otherwise found by search (once) with the engine's accountant."""
+        """Most steps at this run's (σ, q) within the budget.
+
+        Returns:
+            The planned T when σ was calibrated to it, otherwise the largest T found by search (once) with the
+            engine's accountant (0 if one step already exceeds the budget).
+        """
         if self.planned_steps is not None and self._calibrated:
             return self.planned_steps
         if self._affordable is None:
@@ -342,7 +406,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def save_checkpoint(self, *, path, module: nn.Module, optimizer: Optional[optim.Optimizer] = None,
                         checkpoint_dict: Optional[Dict[str, Any]] = None, **kwargs) -> None:
         """Opacus's ``save_checkpoint``, plus the private optimizer's own state (AUP-RLHF's AboveThreshold: a secret
-        of the mechanism; keep such checkpoints private)."""
+        of the mechanism; keep such checkpoints private).
+
+        Args:
+            path: where to write.
+            module: the model.
+            optimizer: the optimizer whose state to save.
+            checkpoint_dict: more entries to save.
+            **kwargs: Opacus's (schedulers, ``torch.save`` options).
+        """
         checkpoint_dict = dict(checkpoint_dict or {})
         if self.optimizer is not None:
             checkpoint_dict[OPTIMIZER_STATE_KEY] = self.optimizer.privacy_state_dict()
@@ -361,7 +433,23 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> Dict:
         """Opacus's ``load_checkpoint`` for a run set up by :meth:`make_private_user_level`, but a checkpoint is data,
         never code (``weights_only=True``; Opacus's runs whatever a tampered pickle holds), and its privacy state is
-        checked against this run (:meth:`restore_privacy_state`) before anything is loaded."""
+        checked against this run (:meth:`restore_privacy_state`) before anything is loaded.
+
+        Args:
+            path: the checkpoint written by :meth:`save_checkpoint`.
+            module: the model to load into.
+            optimizer: the optimizer to load into.
+            noise_scheduler: as Opacus's.
+            grad_clip_scheduler: as Opacus's.
+            module_load_dict_kwargs: passed to ``module.load_state_dict``.
+            torch_load_kwargs: passed to ``torch.load`` (``weights_only`` stays True).
+
+        Returns:
+            The checkpoint's remaining entries (Opacus's behaviour).
+
+        Raises:
+            ValueError: a privacy state that does not belong to this run.
+        """
         checkpoint = load_plain(path, **(torch_load_kwargs or {}))
         self.restore_privacy_state(checkpoint["privacy_accountant_state_dict"], checkpoint.get(OPTIMIZER_STATE_KEY, {}),
                                    source=str(path))
@@ -380,13 +468,21 @@ class PrivacyEngine(opacus.PrivacyEngine):
                               source: str = "checkpoint") -> None:
         """Resume the privacy of a checkpoint in this run (after :meth:`make_private_user_level`): its accountant must
         be this run's configuration with every step at this run's (σ, q), and the optimizer's own state must agree
-        with it (AUP-RLHF: one AboveThreshold query per accounted step); otherwise nothing is restored and it raises.
-        Then the sampling continues at the accounted step (with a seed: no replayed draws)."""
+        with it (AUP-RLHF: one AboveThreshold query per accounted step); otherwise nothing is restored. Then the
+        sampling continues at the accounted step (with a seed: no replayed draws).
+
+        Args:
+            accountant_state: the accountant's ``state_dict()``.
+            optimizer_state: the private optimizer's ``privacy_state_dict()``.
+            source: names the checkpoint in the messages.
+
+        Raises:
+            ValueError: no run was set up, or the state belongs to another run (other σ or q, another event) or
+                was edited.
+        """
         if self.optimizer is None:
             raise ValueError("Call make_private_user_level first: a checkpoint's privacy state is checked against the "
                              "run it resumes.")
-        if len(getattr(self, "phase_accountants", ())) > 1:
-            raise ValueError("Checkpoints of a multi-phase AUP-RLHF run cannot be resumed; run the phases in one go.")
         restored = self.accountant.spawn()
         restored.load_state_dict(accountant_state)
         run = (self.optimizer.noise_multiplier, self.data_loader.sample_rate)
@@ -404,15 +500,25 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.data_loader.user_sampler.position = self.steps_accounted()
 
     def privacy_report(self, delta: float) -> PrivacyReport:
-        """The :class:`PrivacyReport` of what has been spent so far, at ``delta``."""
+        """What has been spent so far.
+
+        Args:
+            delta: the δ at which ε is reported.
+
+        Returns:
+            The :class:`~trl_userdp.accountants.PrivacyReport`.
+
+        Raises:
+            ValueError: no run was set up.
+        """
         if self.optimizer is None:
             raise ValueError("Call make_private_user_level first.")
         return PrivacyReport(**self._report_fields(delta))
 
     def _report_fields(self, delta: float) -> Dict[str, Any]:
-        """The report's fields (an engine with more to say extends them)."""
+        """The report's fields, with the mechanism's (an engine with more to say extends them)."""
         opt = self.optimizer
-        return dict(
+        fields = dict(
             mechanism=self.mechanism.report_name,
             n_users=self.bounding.n_users,
             max_samples_per_user=self.bounding.max_samples_per_user,
@@ -428,9 +534,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
             max_grad_norm=opt.max_grad_norm,
             extra={"expected_units_per_step": getattr(opt, "global_expected_batch_size", opt.expected_batch_size),
                    "clipping_unit": self.mechanism.clipping_unit,
-                   "world_size": distributed.world_size(),
-                   **self.mechanism.report_extra(opt)},
+                   "world_size": distributed.world_size()},
         )
+        return self.mechanism.report_fields(fields, opt, accounted_epsilon=self.accountant.get_epsilon(delta))
 
     def detach(self) -> None:
         """Remove the hooks from the model (it trains normally afterwards)."""

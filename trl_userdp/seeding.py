@@ -15,8 +15,16 @@ import numpy as np
 
 
 def derive_seed(seed: int, stream: str, *position: int) -> int:
-    """A 63-bit seed for ``stream`` (``"noise"``, ``"aup"``, …) at ``position`` (e.g. the step) of the run
-    seeded with ``seed``: independent across streams and positions (NumPy's ``SeedSequence``)."""
+    """A seed for one stream at one position of a run, independent across streams and positions.
+
+    Args:
+        seed: The run seed.
+        stream: The stream's purpose (``"noise"``, ``"aup"``, …).
+        *position: The stream's position, e.g. the step (integers).
+
+    Returns:
+        A 63-bit non-negative seed (NumPy's ``SeedSequence``).
+    """
     key = int.from_bytes(hashlib.sha256(stream.encode()).digest()[:4], "little")
     words = np.random.SeedSequence([int(seed), key, *(int(i) for i in position)]).generate_state(1, np.uint64)
     return int(words[0] >> np.uint64(1))

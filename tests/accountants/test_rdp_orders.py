@@ -31,3 +31,11 @@ def test_our_epsilon_at_a_fractional_order_is_never_below_the_exact_one(alpha):
     exact = opacus_rdp.get_privacy_spent(orders=[alpha], rdp=[steps * _exact_rdp(0.02, 1.0, alpha)], delta=delta)[0]
     ours = compute_epsilon(poisson_gaussian_event(1.0, 0.02, steps), delta, accountant="rdp", orders=[alpha])
     assert ours >= exact * (1 - 1e-9)
+
+
+def test_the_default_orders_are_opacus_defaults_plus_large_ones():
+    from opacus.accountants.rdp import RDPAccountant
+
+    from trl_userdp.accountants.analysis import RDP_ORDERS
+
+    assert RDP_ORDERS == tuple(RDPAccountant.DEFAULT_ALPHAS) + (128, 256, 512, 1024)

@@ -100,22 +100,25 @@ def test_the_sft_policy_is_reused_only_with_its_settings_and_evaluation_keeps_th
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_userdp.experiments.pipeline import sentiment
+    from trl_userdp.experiments.pipeline.arguments import SFT_SETTINGS_FILE
+    from trl_userdp.experiments.pipeline.data import build_sentiment_data
+    from trl_userdp.experiments.pipeline.evaluation import evaluate_policy
+    from trl_userdp.experiments.pipeline.policy import build_sft_policy
 
     args = PipelineArguments(n_users=20, max_samples_per_user=4, users_per_batch=5, sft_steps=1, eval_prompts=6,
                              eval_samples=2, eval_pairs=20, completion_tokens=4, output_dir=str(tmp_path))
-    data = sentiment.build_sentiment_data(args)
-    path = sentiment.build_sft_policy(data, args)
-    settings = os.path.join(path, sentiment.SFT_SETTINGS_FILE)
+    data = build_sentiment_data(args)
+    path = build_sft_policy(data, args)
+    settings = os.path.join(path, SFT_SETTINGS_FILE)
     assert json.load(open(settings))["sft_steps"] == 1
     stamp = os.path.getmtime(os.path.join(path, "model.safetensors"))
-    assert sentiment.build_sft_policy(data, args) == path and os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
+    assert build_sft_policy(data, args) == path and os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
     args.sft_steps = 2
-    sentiment.build_sft_policy(data, args)
+    build_sft_policy(data, args)
     assert json.load(open(settings))["sft_steps"] == 2  # rebuilt
     policy = AutoModelForCausalLM.from_pretrained(path)
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    point = sentiment.evaluate_policy(policy, policy, AutoTokenizer.from_pretrained(path), data.test_prompts, data.gold,
-                                      args, seed=1)
+    point = evaluate_policy(policy, policy, AutoTokenizer.from_pretrained(path), data.test_prompts, data.gold, args,
+                            seed=1)
     assert torch.equal(torch.get_rng_state(), before) and math.isfinite(point["gold_reward"])

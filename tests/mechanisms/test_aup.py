@@ -4,23 +4,21 @@ so they agree exactly."""
 import pytest
 import torch
 
-from trl_userdp.cli import AccountArguments, _walkthrough_rows
-from trl_userdp.mechanisms import aup
+from trl_userdp.mechanisms import AUPRLHF, AccountingSetting, aup
+from trl_userdp.scripts.account import walkthrough_rows
 
 from ..test_adaptive_engine import _private
 
 
-def test_the_cli_walkthrough_prints_the_sigma_the_engine_trains_with(monkeypatch):
+def test_the_cli_walkthrough_prints_the_sigma_the_engine_trains_with():
     """``trl-userdp account`` used to calibrate AUP's σ with plain Poisson steps (1.189 at its default setting) while
-    the engine truncates them to ñ_max (1.213); both now call :func:`aup.gaussian_noise_multiplier`. (The ELS column,
-    most of the walkthrough's time, is tested in tests/test_cli.py.)"""
-    from trl_userdp.accountants.events import ELSGaussian
-
-    monkeypatch.setattr(ELSGaussian, "calibrate", lambda self, *a, **kw: float("nan"))
+    the engine truncates them to ñ_max (1.213); both now call :func:`aup.gaussian_noise_multiplier`. (The whole
+    table is tested in tests/scripts/test_account.py.)"""
     engine, _, optimizer, loader = _private(eps=4.0, steps=20, upb=60.0, n_users=300)
-    rows = _walkthrough_rows(AccountArguments(n_users=300, max_samples_per_user=4, users_per_batch=60.0, epochs=None,
-                                              steps=20, delta=1e-5, epsilons=[4.0]), progress=lambda what: None)
-    assert rows[0]["aup_half"] == engine.phase_noise_multipliers[0] == optimizer.noise_multiplier
+    setting = AccountingSetting(n_users=300, max_samples_per_user=4, users_per_batch=60.0, steps=20, delta=1e-5)
+    ((column,),) = walkthrough_rows(setting, [4.0], mechanisms=[AUPRLHF])[0]
+    assert column.header == "AUP σ"
+    assert column.value == engine.phase_noise_multipliers[0] == optimizer.noise_multiplier
     assert optimizer.max_users_per_batch == aup.default_max_users_per_batch(60.0)
     assert optimizer.noise_std == pytest.approx(
         aup.noise_std(5.0, optimizer.noise_multiplier, 4.0, 20, 1e-5, 60.0), rel=1e-12)

@@ -8,6 +8,7 @@ from trl.trainer.reward_trainer import DataCollatorForPreference
 
 from trl_userdp import AdaptiveUserPrivacyEngine, PrivacyEngine, PrivacyReport
 from trl_userdp.accountants.events import PoissonGaussian
+from trl_userdp.optimizers import AUPOptimizer
 from trl_userdp.mechanisms import (
     MECHANISM_REGISTRY,
     AUPRLHF,
@@ -61,14 +62,42 @@ def _engine_call(engine, mechanism, **kwargs):
         max_samples_per_user=3, users_per_batch=2.0, rows_per_example=2, mechanism=mechanism, **kwargs)
 
 
-def test_each_engine_sets_up_only_its_own_mechanisms():
-    with pytest.raises(ValueError, match="'aup' is set up by AdaptiveUserPrivacyEngine, not PrivacyEngine"):
-        _engine_call(PrivacyEngine(), "aup", max_grad_norm=1.0, noise_multiplier=1.0)
+def test_the_engine_sets_up_gradient_mechanisms_only_and_asks_for_options_it_cannot_guess():
+    with pytest.raises(ValueError, match="mechanism='aup' needs its options: pass a AUPRLHF"):
+        _engine_call(PrivacyEngine(), "aup", target_epsilon=3.0, target_delta=1e-5, steps=2)
     with pytest.raises(ValueError, match="'randomized_response' is a 'labels' mechanism"):
         _engine_call(PrivacyEngine(), "randomized_response", max_grad_norm=1.0, noise_multiplier=1.0)
     with pytest.raises(ValueError, match=r"mechanism must be one of"):
         _engine_call(PrivacyEngine(), "laplace", max_grad_norm=1.0, noise_multiplier=1.0)
-    assert AUPRLHF.adaptive and AdaptiveUserPrivacyEngine.adaptive and not PrivacyEngine.adaptive
+    with pytest.raises(ValueError, match="calibrates its noise to target_epsilon; it takes no noise_multiplier"):
+        _engine_call(PrivacyEngine(), AUPRLHF(1.0), noise_multiplier=1.0)
+
+
+def test_aup_rlhf_goes_through_the_set_up_every_mechanism_goes_through():
+    """PrivacyEngine with the AUPRLHF object and AdaptiveUserPrivacyEngine (which adds only Alg. 1's phases) build the
+    same run: σ, noise scale, budget, loader draws, report."""
+    run = dict(target_epsilon=3.0, target_delta=1e-5, steps=3, sampling_seed=0, noise_seed=0)
+    plain = PrivacyEngine(accountant="pld")
+    _, opt_plain, loader_plain = _engine_call(plain, AUPRLHF(1.0, svt_fraction=0.4), **run)
+    adaptive = AdaptiveUserPrivacyEngine()
+    model = MODELS["llama"]()
+    _, opt_adaptive, loader_adaptive = adaptive.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(preference_dataset(), collate_fn=DataCollatorForPreference(pad_token_id=0)),
+        max_samples_per_user=3, users_per_batch=2.0, rows_per_example=2, concentration_radius=1.0, svt_fraction=0.4,
+        **run)
+    assert type(opt_plain) is type(opt_adaptive) is AUPOptimizer
+    assert opt_plain.noise_multiplier == opt_adaptive.noise_multiplier and opt_plain.noise_std == opt_adaptive.noise_std
+    assert plain.budget == adaptive.budget and plain.accountant.events == adaptive.accountant.events
+    draws = ([], [])
+    for drawn, loader, opt in zip(draws, (loader_plain, loader_adaptive), (opt_plain, opt_adaptive)):
+        for _ in loader:
+            drawn.append(loader.last_row_users.tolist())
+            opt.hooks.set_row_users(None)  # discarded: nothing accounted
+    assert draws[0] == draws[1] and len(draws[0]) == 3
+    report_plain, report_adaptive = plain.privacy_report(1e-5).to_dict(), adaptive.privacy_report(1e-5).to_dict()
+    assert report_adaptive["extra"].pop("phase_users") == "all"
+    assert report_plain == report_adaptive
 
 
 def test_a_mechanism_object_is_accepted_and_configures_the_accountant():

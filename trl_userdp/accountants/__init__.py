@@ -1,6 +1,5 @@
 """Privacy accounting through dp-accounting (docs/mechanisms.md, Accounting)."""
 
-from .accountant import DPAccountingAccountant, DPPldAccountant, DPRdpAccountant
 from .analysis import (
     ACCOUNTANT_KINDS,
     GroupPrivacyAccountant,
@@ -24,6 +23,19 @@ from .events import (
     truncated_poisson_gaussian_event,
 )
 from .report import REPORT_FILENAME, PrivacyReport
+
+#: the accountants plug into Opacus's registry, so they are imported on first use: the events, the analysis and the
+#: report (all that the mechanisms need) import no Opacus module
+_ACCOUNTANTS = ("DPAccountingAccountant", "DPPldAccountant", "DPRdpAccountant")
+
+
+def __getattr__(name: str):
+    if name in _ACCOUNTANTS:
+        from . import accountant
+
+        return getattr(accountant, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ACCOUNTANT_KINDS",

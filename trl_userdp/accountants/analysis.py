@@ -17,7 +17,6 @@ from typing import Callable, Optional, Sequence, Tuple
 import dp_accounting as dpa
 from dp_accounting import pld as dpa_pld
 from dp_accounting import rdp as dpa_rdp
-from opacus.accountants.rdp import RDPAccountant as _OpacusRDP
 
 from ..validators import check_delta, check_epsilon, check_max_samples_per_user
 
@@ -30,13 +29,15 @@ NEIGHBORING_RELATIONS = {
     "add_or_remove": dpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
     "replace": dpa.NeighboringRelation.REPLACE_ONE,
 }
-#: RDP orders: Opacus's defaults (1.1 … 63) plus dp-accounting's large orders, without which ε
+#: RDP orders: Opacus's defaults (1.1 … 63: ``RDPAccountant.DEFAULT_ALPHAS``, spelled here so that only
+#: accountant.py, which plugs into Opacus, imports it; tests/accountants/test_rdp_orders.py checks they agree) plus dp-accounting's large orders, without which ε
 #: cannot fall below about log(1/δ)/62 (small item-level ε for group privacy needs them). Pass the
 #: same list as ``alphas`` to Opacus's ``rdp`` accountant to compare. At integer orders both
 #: libraries agree to float precision; at fractional orders dp-accounting 0.6 is slightly
 #: conservative (its series drops the sign of negative binomial coefficients; see
 #: tests/accountants/test_rdp_orders.py), which can only over-state ε.
-RDP_ORDERS: Tuple[float, ...] = tuple(_OpacusRDP.DEFAULT_ALPHAS) + (128, 256, 512, 1024)
+RDP_ORDERS: Tuple[float, ...] = (tuple(1 + x / 10.0 for x in range(1, 100)) + tuple(range(12, 64))  # Opacus's
+                                  + (128, 256, 512, 1024))
 #: Integer orders only: there dp-accounting's subsampled-Gaussian RDP is exact.
 INTEGER_RDP_ORDERS: Tuple[int, ...] = tuple(range(2, 65)) + (128, 256, 512, 1024)
 #: PLD discretisation (dp-accounting's default).
@@ -44,12 +45,34 @@ PLD_DISCRETIZATION = 1e-4
 
 
 def check_accountant(kind: str) -> str:
+    """Check an accountant kind.
+
+    Args:
+        kind: ``"rdp"`` or ``"pld"``.
+
+    Returns:
+        ``kind``.
+
+    Raises:
+        ValueError: If ``kind`` is not in :data:`ACCOUNTANT_KINDS`.
+    """
     if kind not in ACCOUNTANT_KINDS:
         raise ValueError(f"accountant must be one of {ACCOUNTANT_KINDS}, got {kind!r}.")
     return kind
 
 
 def neighboring_relation(name: str) -> dpa.NeighboringRelation:
+    """The dp-accounting neighbouring relation of a name.
+
+    Args:
+        name: ``"add_or_remove"`` (one user added or removed) or ``"replace"`` (one user's data replaced).
+
+    Returns:
+        The ``dp_accounting.NeighboringRelation``.
+
+    Raises:
+        ValueError: If ``name`` is not in :data:`NEIGHBORING_RELATIONS`.
+    """
     try:
         return NEIGHBORING_RELATIONS[name]
     except KeyError:
@@ -59,9 +82,17 @@ def neighboring_relation(name: str) -> dpa.NeighboringRelation:
 
 
 class GroupPrivacyAccountant(dpa.PrivacyAccountant):
-    """Wraps an item-level dp-accounting accountant and reports the user-level guarantee that
-    group privacy gives for groups of ``group_size`` records (docs/mechanisms.md, M2, Chua et al. 2024):
-    an item-level ``(ε₀, δ₀)`` guarantee implies ``(m·ε₀, m·e^{(m−1)ε₀}·δ₀)`` for a group of m.
+    """An item-level dp-accounting accountant that reports the user-level guarantee of group privacy.
+
+    An item-level ``(ε₀, δ₀)`` guarantee implies ``(m·ε₀, m·e^{(m−1)ε₀}·δ₀)`` for a group of m records
+    (docs/mechanisms.md, M2, Chua et al. 2024).
+
+    Args:
+        inner: The item-level accountant that composes the events.
+        group_size: The group size m (records per user).
+
+    Raises:
+        ValueError: If ``group_size`` is not an integer ≥ 1.
     """
 
     def __init__(self, inner: dpa.PrivacyAccountant, group_size: int):
@@ -73,6 +104,14 @@ class GroupPrivacyAccountant(dpa.PrivacyAccountant):
         return self._inner._maybe_compose(event, count, do_compose)
 
     def get_delta(self, target_epsilon: float) -> float:
+        """User-level δ at ε: ``m·e^{(m−1)ε₀}·δ₀(ε₀)`` with ``ε₀ = ε/m``, capped at 1.
+
+        Args:
+            target_epsilon: The user-level ε.
+
+        Returns:
+            The user-level δ.
+        """
         m = self._m
         eps0 = target_epsilon / m
         delta0 = self._inner.get_delta(eps0)
@@ -81,7 +120,14 @@ class GroupPrivacyAccountant(dpa.PrivacyAccountant):
         return math.exp(min(0.0, math.log(m) + (m - 1) * eps0 + math.log(delta0)))
 
     def get_epsilon(self, target_delta: float) -> float:
-        """Smallest user-level ε (to 1e-6 relative) with ``get_delta(ε) ≤ δ``, by bisection."""
+        """Smallest user-level ε (to 1e-6 relative) with ``get_delta(ε) ≤ δ``, by bisection.
+
+        Args:
+            target_delta: The user-level δ.
+
+        Returns:
+            The user-level ε (``math.inf`` if it exceeds 1e6).
+        """
         if self._m == 1:
             return self._inner.get_epsilon(target_delta)
         lo, hi = 0.0, max(1.0, self._m * self._inner.get_epsilon(target_delta / self._m))
@@ -104,9 +150,23 @@ def make_accountant(
     orders: Optional[Sequence[float]] = None,
     value_discretization_interval: float = PLD_DISCRETIZATION,
 ) -> dpa.PrivacyAccountant:
-    """A fresh dp-accounting accountant; with ``group_size`` it reports group-privacy ε.
-    ``orders`` (RDP) defaults to :data:`RDP_ORDERS`; ``value_discretization_interval`` is PLD's
-    (coarser is faster and still an upper bound: dp-accounting rounds pessimistically)."""
+    """A fresh dp-accounting accountant.
+
+    Args:
+        kind: ``"rdp"`` or ``"pld"``.
+        relation: The neighbouring relation, ``"add_or_remove"`` or ``"replace"``.
+        group_size: If given, the accountant reports group-privacy ε for groups of this many records
+            (:class:`GroupPrivacyAccountant`).
+        orders: RDP orders; default :data:`RDP_ORDERS`.
+        value_discretization_interval: PLD's discretisation (coarser is faster and still an upper bound:
+            dp-accounting rounds pessimistically).
+
+    Returns:
+        A ``dp_accounting.PrivacyAccountant``.
+
+    Raises:
+        ValueError: If ``kind`` or ``relation`` is unknown, or ``group_size`` is not an integer ≥ 1.
+    """
     check_accountant(kind)
     rel = neighboring_relation(relation)
     if kind == "rdp":
@@ -136,8 +196,23 @@ def compute_epsilon(
     group_size: Optional[int] = None,
     **options,
 ) -> float:
-    """ε at ``delta`` of ``event`` (one of :mod:`trl_userdp.accountants.events`); ``options`` go
-    to :func:`make_accountant`."""
+    """ε at ``delta`` of an event.
+
+    Args:
+        event: A dp-accounting event (one of :mod:`trl_userdp.accountants.events`).
+        delta: The target δ.
+        accountant: ``"rdp"`` or ``"pld"``.
+        relation: The neighbouring relation, ``"add_or_remove"`` or ``"replace"``.
+        group_size: If given, report group-privacy ε for groups of this many records.
+        **options: Passed to :func:`make_accountant`.
+
+    Returns:
+        ε.
+
+    Raises:
+        ValueError: If ``delta`` is not in (0, 1), an option is invalid, or the accountant cannot account
+            ``event`` under ``relation``.
+    """
     check_delta(delta, "delta")
     return float(_compose(event, accountant, relation, group_size, **options).get_epsilon(delta))
 
@@ -151,7 +226,23 @@ def compute_delta(
     group_size: Optional[int] = None,
     **options,
 ) -> float:
-    """δ at ``epsilon`` of ``event``."""
+    """δ at ``epsilon`` of an event.
+
+    Args:
+        event: A dp-accounting event (one of :mod:`trl_userdp.accountants.events`).
+        epsilon: The target ε ≥ 0.
+        accountant: ``"rdp"`` or ``"pld"``.
+        relation: The neighbouring relation, ``"add_or_remove"`` or ``"replace"``.
+        group_size: If given, report group-privacy δ for groups of this many records.
+        **options: Passed to :func:`make_accountant`.
+
+    Returns:
+        δ.
+
+    Raises:
+        ValueError: If ``epsilon`` < 0, an option is invalid, or the accountant cannot account ``event``
+            under ``relation``.
+    """
     if not epsilon >= 0:
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}.")
     return float(_compose(event, accountant, relation, group_size, **options).get_delta(epsilon))
@@ -174,6 +265,25 @@ def calibrate_noise_multiplier(
 
     A bracket is found by doubling/halving from σ = 1, then dp-accounting's
     ``calibrate_dp_mechanism`` bisects (Brent) inside it. The returned σ never exceeds the budget.
+
+    Args:
+        make_event: Maps a noise multiplier σ to the dp-accounting event of the whole run.
+        target_epsilon: The target ε.
+        target_delta: The target δ.
+        accountant: ``"rdp"`` or ``"pld"``.
+        relation: The neighbouring relation, ``"add_or_remove"`` or ``"replace"``.
+        group_size: If given, the target is group-privacy ε for groups of this many records.
+        tol: The tolerance on σ.
+        min_sigma: The smallest σ searched.
+        max_sigma: The largest σ searched.
+        **options: Passed to :func:`make_accountant`.
+
+    Returns:
+        The noise multiplier σ.
+
+    Raises:
+        ValueError: If a target or ``accountant`` is invalid, if the target needs σ above ``max_sigma``,
+            or if it is met even at ``min_sigma``.
     """
     check_epsilon(target_epsilon)
     check_delta(target_delta)
@@ -215,13 +325,38 @@ def calibrate_noise_multiplier(
 
 
 def group_privacy(epsilon0: float, delta0: float, group_size: int) -> Tuple[float, float]:
-    """Item-level ``(ε₀, δ₀)`` → guarantee for a group of ``m`` records: ``(mε₀, m e^{(m−1)ε₀} δ₀)``."""
+    """Item-level ``(ε₀, δ₀)`` → guarantee for a group of ``m`` records: ``(mε₀, m e^{(m−1)ε₀} δ₀)``.
+
+    Args:
+        epsilon0: The item-level ε₀.
+        delta0: The item-level δ₀.
+        group_size: The group size m.
+
+    Returns:
+        The group-level ``(ε, δ)``.
+
+    Raises:
+        ValueError: If ``group_size`` is not an integer ≥ 1.
+    """
     m = check_max_samples_per_user(group_size, "group_size")
     return m * epsilon0, m * math.exp((m - 1) * epsilon0) * delta0
 
 
 def item_level_target(epsilon: float, delta: float, group_size: int) -> Tuple[float, float]:
-    """Inverse of :func:`group_privacy` at ``ε₀ = ε/m``: the item-level target implying ``(ε, δ)``."""
+    """Inverse of :func:`group_privacy` at ``ε₀ = ε/m``: the item-level target implying ``(ε, δ)``.
+
+    Args:
+        epsilon: The group-level (user-level) ε.
+        delta: The group-level δ.
+        group_size: The group size m.
+
+    Returns:
+        The item-level ``(ε₀, δ₀) = (ε/m, δ / (m e^{(m−1)ε₀}))``.
+
+    Raises:
+        ValueError: If ``epsilon`` is not > 0, ``delta`` is not in (0, 1), or ``group_size`` is not an
+            integer ≥ 1.
+    """
     check_epsilon(epsilon, "epsilon")
     check_delta(delta, "delta")
     m = check_max_samples_per_user(group_size, "group_size")

@@ -25,8 +25,21 @@ from .analysis import calibrate_noise_multiplier, compute_epsilon
 
 
 def poisson_gaussian_event(noise_multiplier: float, sample_rate: float, steps: int) -> dpa.DpEvent:
-    """``T`` Poisson-subsampled Gaussian steps: M1 user-wise DP-SGD with q over users
-    (AUP-RLHF Alg. 4), or item-level DP-SGD with q over records (M2)."""
+    """``T`` Poisson-subsampled Gaussian steps.
+
+    M1 user-wise DP-SGD with q over users (AUP-RLHF Alg. 4), or item-level DP-SGD with q over records (M2).
+
+    Args:
+        noise_multiplier: The noise multiplier σ.
+        sample_rate: The Poisson sampling rate q.
+        steps: The number of steps T ≥ 0.
+
+    Returns:
+        A ``SelfComposedDpEvent`` of T ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``.
+
+    Raises:
+        ValueError: If σ, q or T is invalid.
+    """
     check_noise_multiplier(noise_multiplier)
     check_sample_rate(sample_rate)
     return dpa.SelfComposedDpEvent(
@@ -37,8 +50,23 @@ def poisson_gaussian_event(noise_multiplier: float, sample_rate: float, steps: i
 def truncated_poisson_gaussian_event(
     noise_multiplier: float, sample_rate: float, steps: int, n_users: int, max_users_per_batch: int
 ) -> dpa.DpEvent:
-    """``T`` steps of truncated Poisson sampling + Gaussian (docs/mechanisms.md, M4: AUP caps a step at
-    ``ñ_max`` users). Only dp-accounting's PLD accountant supports this event."""
+    """``T`` steps of truncated Poisson sampling + Gaussian (docs/mechanisms.md, M4).
+
+    AUP caps a step at ``ñ_max`` users. Only dp-accounting's PLD accountant supports this event.
+
+    Args:
+        noise_multiplier: The noise multiplier σ.
+        sample_rate: The user sampling rate q.
+        steps: The number of steps T ≥ 0.
+        n_users: The number of users n.
+        max_users_per_batch: The truncation ``ñ_max``: at most this many users per step.
+
+    Returns:
+        A ``SelfComposedDpEvent`` of T ``TruncatedSubsampledGaussianDpEvent``.
+
+    Raises:
+        ValueError: If σ, q or T is invalid, or ``n_users`` or ``max_users_per_batch`` is < 1.
+    """
     check_noise_multiplier(noise_multiplier)
     check_sample_rate(sample_rate)
     if max_users_per_batch < 1 or n_users < 1:
@@ -63,6 +91,18 @@ def els_event(
     so removing the user shifts the noisy sum by at most ``k·C``: a mixture of Gaussians with
     sensitivities ``k`` (in units of ``C``) and weights ``Binomial(m, q).pmf(k)``. Only the PLD
     accountant supports it, under add/remove-one-user.
+
+    Args:
+        noise_multiplier: The noise multiplier σ.
+        record_sample_rate: The Poisson sampling rate q of records.
+        steps: The number of steps T ≥ 0.
+        max_samples_per_user: The contribution bound m (records per user).
+
+    Returns:
+        A ``SelfComposedDpEvent`` of T ``MixtureOfGaussiansDpEvent``.
+
+    Raises:
+        ValueError: If σ, q, T or m is invalid.
     """
     check_noise_multiplier(noise_multiplier)
     check_sample_rate(record_sample_rate)
@@ -82,11 +122,24 @@ def els_event(
 
 
 def randomized_response_noise_parameter(epsilon_per_label: float, num_choices: int = 2) -> float:
-    """K-ary randomized response at ε' replaces a label by a uniform draw over the K values with probability
-    ``p = K/(e^ε' + K − 1)`` (dp-accounting's noise parameter): it keeps the label with probability
-    ``1 − p + p/K = e^ε'/(e^ε' + K − 1)`` and moves it to each other value with ``p/K``
-    (docs/mechanisms.md, M3). The one definition of RR's law: the mechanism, its losses, the linear estimators
-    and the accountant all derive from it."""
+    """The probability that K-ary randomized response at ε' replaces a label by a uniform draw.
+
+    RR replaces a label by a uniform draw over the K values with probability ``p = K/(e^ε' + K − 1)``
+    (dp-accounting's noise parameter): it keeps the label with probability ``1 − p + p/K = e^ε'/(e^ε' + K − 1)``
+    and moves it to each other value with ``p/K`` (docs/mechanisms.md, M3). The one definition of RR's law:
+    the mechanism, its losses, the linear estimators and the accountant all derive from it.
+
+    Args:
+        epsilon_per_label: The per-label budget ε'.
+        num_choices: The number of label values K ≥ 2.
+
+    Returns:
+        The noise parameter ``p``.
+
+    Raises:
+        ValueError: If ``epsilon_per_label`` is not a finite number > 0, or ``num_choices`` is not an
+            integer ≥ 2.
+    """
     check_epsilon(epsilon_per_label, "epsilon_per_label")
     if isinstance(num_choices, bool) or not isinstance(num_choices, int) or num_choices < 2:
         raise ValueError(f"num_choices must be an integer >= 2, got {num_choices!r}.")
@@ -94,23 +147,55 @@ def randomized_response_noise_parameter(epsilon_per_label: float, num_choices: i
 
 
 def rr_move_probability(epsilon_per_label: float, num_choices: int = 2) -> float:
-    """The probability ``1/(e^ε' + K − 1)`` of moving a label to one given other value (the binary flip rate
-    ``σ(−ε')`` at K = 2)."""
+    """The probability that randomized response moves a label to one given other value.
+
+    Args:
+        epsilon_per_label: The per-label budget ε'.
+        num_choices: The number of label values K ≥ 2.
+
+    Returns:
+        ``1/(e^ε' + K − 1)`` (the binary flip rate ``σ(−ε')`` at K = 2).
+
+    Raises:
+        ValueError: As :func:`randomized_response_noise_parameter`.
+    """
     return randomized_response_noise_parameter(epsilon_per_label, num_choices) / num_choices
 
 
 def rr_keep_probability(epsilon_per_label: float, num_choices: int = 2) -> float:
-    """The probability ``e^ε'/(e^ε' + K − 1)`` of keeping a label."""
+    """The probability that randomized response keeps a label.
+
+    Args:
+        epsilon_per_label: The per-label budget ε'.
+        num_choices: The number of label values K ≥ 2.
+
+    Returns:
+        ``e^ε'/(e^ε' + K − 1)``.
+
+    Raises:
+        ValueError: As :func:`randomized_response_noise_parameter`.
+    """
     return 1 - (num_choices - 1) * rr_move_probability(epsilon_per_label, num_choices)
 
 
 def randomized_response_event(epsilon: float, max_samples_per_user: int, num_choices: int = 2) -> dpa.DpEvent:
-    """User-level randomized response: each of a user's ``m`` labels gets RR at ``ε' = ε/m``
-    (basic composition over the user's labels, AUP-RLHF §4.1). Labels only; replace-one relation.
+    """User-level randomized response: each of a user's ``m`` labels gets RR at ``ε' = ε/m``.
 
+    Basic composition over the user's labels (AUP-RLHF §4.1); labels only; replace-one relation.
     The m applications are listed in a ``ComposedDpEvent``, not a ``SelfComposedDpEvent``:
     dp-accounting 0.6's PLD accountant ignores the count of a self-composed randomized response
     and would report the ε of a single label (tests/accountants/test_events.py shows it).
+
+    Args:
+        epsilon: The user-level budget ε.
+        max_samples_per_user: The contribution bound m (labels per user).
+        num_choices: The number of label values K ≥ 2.
+
+    Returns:
+        A ``ComposedDpEvent`` of m ``RandomizedResponseDpEvent``.
+
+    Raises:
+        ValueError: If ``epsilon`` is not > 0, m is not an integer ≥ 1, or K is not an integer ≥ 2.
     """
     check_epsilon(epsilon, "epsilon")
     m = check_max_samples_per_user(max_samples_per_user)
@@ -134,6 +219,8 @@ class StepEvent:
 
     Subclasses are small frozen dataclasses whose fields are the mechanism's public constants (m, n, ñ_max);
     :meth:`to_dict` is what a checkpoint stores, so a resumed run is accounted as the same mechanism.
+    Calling an event with ``(noise_multiplier, sample_rate, steps)`` returns the ``dp_accounting.DpEvent``
+    of ``steps`` steps at (σ, q).
     """
 
     #: registry name (the ``"name"`` of :meth:`to_dict`)
@@ -142,6 +229,19 @@ class StepEvent:
     pld_only: ClassVar[bool] = False
 
     def __call__(self, noise_multiplier: float, sample_rate: float, steps: int) -> dpa.DpEvent:
+        """The event of ``steps`` steps at ``(σ, q)``.
+
+        Args:
+            noise_multiplier: The noise multiplier σ.
+            sample_rate: The sampling rate q.
+            steps: The number of steps T.
+
+        Returns:
+            A ``dp_accounting.DpEvent``.
+
+        Raises:
+            NotImplementedError: In the base class.
+        """
         raise NotImplementedError
 
     @property
@@ -155,28 +255,79 @@ class StepEvent:
         return {}
 
     def composed(self, history: Sequence[Tuple[float, float, int]]) -> dpa.DpEvent:
-        """The event of an accountant's history of ``(σ, q, steps)``."""
+        """The event of an accountant's history.
+
+        Args:
+            history: ``(σ, q, steps)`` triples, as Opacus's accountants keep them.
+
+        Returns:
+            A ``ComposedDpEvent`` of the triples' events.
+        """
         return dpa.ComposedDpEvent([self(s, q, n) for s, q, n in history])
 
     def epsilon(self, history: Sequence[Tuple[float, float, int]], delta: float, *, accountant: str = "pld",
                 relation: str = "add_or_remove") -> float:
-        """ε at ``delta`` of the steps in ``history``."""
+        """ε at ``delta`` of the steps in ``history``.
+
+        Args:
+            history: ``(σ, q, steps)`` triples.
+            delta: The target δ.
+            accountant: ``"rdp"`` or ``"pld"``.
+            relation: The neighbouring relation, ``"add_or_remove"`` or ``"replace"``.
+
+        Returns:
+            ε (group-privacy ε where :attr:`group_size` is set).
+
+        Raises:
+            ValueError: As :func:`~trl_userdp.accountants.analysis.compute_epsilon`.
+        """
         return compute_epsilon(self.composed(history), delta, accountant=accountant, relation=relation,
                                group_size=self.group_size, **self.accountant_options)
 
     def calibrate(self, target_epsilon: float, target_delta: float, *, sample_rate: float, steps: int,
                   accountant: str = "pld", relation: str = "add_or_remove", tol: float = 1e-4) -> float:
-        """The smallest σ for which ``steps`` steps at ``sample_rate`` meet ``(target_epsilon, target_delta)``."""
+        """The smallest σ for which ``steps`` steps at ``sample_rate`` meet ``(target_epsilon, target_delta)``.
+
+        Args:
+            target_epsilon: The target ε.
+            target_delta: The target δ.
+            sample_rate: The sampling rate q of every step.
+            steps: The number of steps T.
+            accountant: ``"rdp"`` or ``"pld"``.
+            relation: The neighbouring relation, ``"add_or_remove"`` or ``"replace"``.
+            tol: The tolerance on σ.
+
+        Returns:
+            The noise multiplier σ.
+
+        Raises:
+            ValueError: As :func:`~trl_userdp.accountants.analysis.calibrate_noise_multiplier`.
+        """
         return calibrate_noise_multiplier(
             lambda s: self(s, sample_rate, steps), target_epsilon=target_epsilon, target_delta=target_delta,
             accountant=accountant, relation=relation, group_size=self.group_size, tol=tol, **self.accountant_options)
 
     def to_dict(self) -> Dict[str, Any]:
+        """The event's registry name and fields, as a checkpoint stores them.
+
+        Returns:
+            ``{"name": ..., **fields}``.
+        """
         return {"name": self.name, **dataclasses.asdict(self)}
 
     @staticmethod
     def from_dict(state: Dict[str, Any]) -> "StepEvent":
-        """The event saved by :meth:`to_dict` (a malformed one raises ``ValueError``)."""
+        """The event saved by :meth:`to_dict`.
+
+        Args:
+            state: The dictionary saved by :meth:`to_dict`.
+
+        Returns:
+            The :class:`StepEvent` subclass instance.
+
+        Raises:
+            ValueError: If the name is unknown, or the fields do not fit the event or fail its checks.
+        """
         if not isinstance(state, dict) or state.get("name") not in STEP_EVENTS:
             raise ValueError(f"Unknown accounting event {state!r}; known: {sorted(STEP_EVENTS)}.")
         fields = {k: v for k, v in state.items() if k != "name"}
@@ -198,7 +349,14 @@ class PoissonGaussian(StepEvent):
 
 @dataclasses.dataclass(frozen=True)
 class RecordLevelEvent(StepEvent):
-    """Item-level DP-SGD over the records of users with at most ``max_samples_per_user`` each (M2)."""
+    """Item-level DP-SGD over the records of users with at most ``max_samples_per_user`` each (M2).
+
+    Args:
+        max_samples_per_user: The contribution bound m (records per user).
+
+    Raises:
+        ValueError: If ``max_samples_per_user`` is not an integer ≥ 1.
+    """
 
     max_samples_per_user: int
 
@@ -208,7 +366,11 @@ class RecordLevelEvent(StepEvent):
 
 @dataclasses.dataclass(frozen=True)
 class GroupPrivacyGaussian(RecordLevelEvent):
-    """Item-level DP-SGD whose user-level ε is group privacy over ``max_samples_per_user`` records (M2)."""
+    """Item-level DP-SGD whose user-level ε is group privacy over ``max_samples_per_user`` records (M2).
+
+    Args:
+        max_samples_per_user: The contribution bound m, the group size.
+    """
 
     name: ClassVar[str] = "group_privacy_gaussian"
 
@@ -222,7 +384,11 @@ class GroupPrivacyGaussian(RecordLevelEvent):
 
 @dataclasses.dataclass(frozen=True)
 class ELSGaussian(RecordLevelEvent):
-    """Item-level DP-SGD accounted at user level by ELS (:func:`els_event`, M2)."""
+    """Item-level DP-SGD accounted at user level by ELS (:func:`els_event`, M2).
+
+    Args:
+        max_samples_per_user: The contribution bound m (records per user).
+    """
 
     name: ClassVar[str] = "els_gaussian"
     pld_only: ClassVar[bool] = True
@@ -237,7 +403,15 @@ class ELSGaussian(RecordLevelEvent):
 
 @dataclasses.dataclass(frozen=True)
 class TruncatedPoissonGaussian(StepEvent):
-    """AUP-RLHF's Gaussian steps (M4): Poisson sampling of ``n_users`` truncated to ``max_users_per_batch``."""
+    """AUP-RLHF's Gaussian steps (M4): Poisson sampling of ``n_users`` truncated to ``max_users_per_batch``.
+
+    Args:
+        n_users: The number of users n.
+        max_users_per_batch: The truncation ``ñ_max``: at most this many users per step.
+
+    Raises:
+        ValueError: If either is not an integer ≥ 1.
+    """
 
     n_users: int
     max_users_per_batch: int

@@ -15,13 +15,27 @@ REPORT_FILENAME = "privacy_report.json"
 class PrivacyReport:
     """What was spent, under which model, by which mechanism.
 
-    ``neighboring_relation`` names the unit change the guarantee is about ("add_or_remove" or
-    "replace" one user); ``max_grad_norm`` is C for clipping mechanisms and
-    ``concentration_radius`` is τ for AUP-RLHF; ``steps`` is the planned T and ``steps_taken``
-    the number of optimizer steps actually accounted (empty steps included). It is meant to be published
-    beside the model, so it holds nothing that ε does not cover: no seeds, no secret state, and not the count
-    of rows contribution bounding dropped (it can reveal one user's row count; the data owner finds it in
-    ``PrivacyEngine.bounding``).
+    It is meant to be published beside the model, so it holds nothing that ε does not cover: no seeds, no
+    secret state, and not the count of rows contribution bounding dropped (it can reveal one user's row count;
+    the data owner finds it in ``PrivacyEngine.bounding``).
+
+    Args:
+        mechanism: The mechanism's name.
+        n_users: The number of users n.
+        max_samples_per_user: The contribution bound m (rows per user), if any.
+        sample_rate: The user sampling rate q, if any.
+        noise_multiplier: The noise multiplier σ, if any.
+        steps: The planned number of steps T.
+        steps_taken: The number of optimizer steps actually accounted (empty steps included).
+        accountant: The accountant's name.
+        epsilon: The ε spent (``math.inf`` without privacy).
+        delta: The δ of the guarantee.
+        neighboring_relation: The unit change the guarantee is about, ``"add_or_remove"`` or ``"replace"``
+            one user.
+        privacy_unit: What is protected (``"user"``).
+        max_grad_norm: The clipping norm C of clipping mechanisms.
+        concentration_radius: The concentration radius τ of AUP-RLHF.
+        extra: Mechanism-specific entries.
     """
 
     mechanism: str
@@ -41,6 +55,11 @@ class PrivacyReport:
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
+        """The report as a JSON-serialisable dictionary.
+
+        Returns:
+            The fields by name, with an infinite ε written ``"inf"``.
+        """
         d = dataclasses.asdict(self)
         if isinstance(d["epsilon"], float) and math.isinf(d["epsilon"]):
             d["epsilon"] = "inf"
@@ -48,6 +67,17 @@ class PrivacyReport:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "PrivacyReport":
+        """The report saved by :meth:`to_dict`.
+
+        Args:
+            d: The dictionary (``"inf"`` reads as an infinite ε).
+
+        Returns:
+            The report.
+
+        Raises:
+            ValueError: If ``d`` has fields the report does not know.
+        """
         d = dict(d)
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -57,8 +87,12 @@ class PrivacyReport:
         return cls(**d)
 
     def to_markdown(self) -> str:
-        """The "Privacy" section of a model card: what is protected, by which mechanism, at which (ε, δ), and what
-        is not protected; the full statement is ``privacy_report.json``."""
+        """The "Privacy" section of a model card.
+
+        Returns:
+            Markdown saying what is protected, by which mechanism, at which (ε, δ), and what is not protected;
+            the full statement is ``privacy_report.json``.
+        """
         unit = "one user (all of their rows)" if self.privacy_unit == "user" else self.privacy_unit
         if math.isinf(self.epsilon):
             guarantee = "**none**: trained on the users' data without differential privacy (ε = ∞)"
@@ -86,14 +120,37 @@ class PrivacyReport:
         return "\n".join(lines)
 
     def to_json(self) -> str:
+        """The report as indented JSON with sorted keys.
+
+        Returns:
+            The JSON text of :meth:`to_dict`.
+        """
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "PrivacyReport":
+        """The report saved by :meth:`to_json`.
+
+        Args:
+            text: The JSON text.
+
+        Returns:
+            The report.
+
+        Raises:
+            ValueError: If the text is not JSON or has fields the report does not know.
+        """
         return cls.from_dict(json.loads(text))
 
     def save(self, directory: str) -> str:
-        """Write ``privacy_report.json`` into ``directory``; returns the file's path."""
+        """Write ``privacy_report.json`` into a directory, creating it if needed.
+
+        Args:
+            directory: The directory.
+
+        Returns:
+            The file's path.
+        """
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, REPORT_FILENAME)
         with open(path, "w") as f:
@@ -102,7 +159,18 @@ class PrivacyReport:
 
     @classmethod
     def load(cls, path: str) -> "PrivacyReport":
-        """Read a report from a ``privacy_report.json`` file or the directory holding one."""
+        """Read a report from a ``privacy_report.json`` file or the directory holding one.
+
+        Args:
+            path: The file or directory.
+
+        Returns:
+            The report.
+
+        Raises:
+            OSError: If the file cannot be read.
+            ValueError: If it is not a valid report.
+        """
         if os.path.isdir(path):
             path = os.path.join(path, REPORT_FILENAME)
         with open(path) as f:

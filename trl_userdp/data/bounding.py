@@ -17,7 +17,17 @@ from .users import DEFAULT_USER_COLUMN, UserIndex, is_hf_dataset, resolve_user_i
 
 @dataclasses.dataclass(frozen=True)
 class BoundingReport:
-    """What contribution bounding did: users, rows in, rows kept and rows dropped."""
+    """What contribution bounding did: users, rows in, rows kept and rows dropped.
+
+    Args:
+        n_users: The number of users.
+        max_samples_per_user: The contribution bound m.
+        rows_in: Rows before bounding.
+        rows_kept: Rows after bounding.
+        rows_dropped: ``rows_in − rows_kept``.
+        users_truncated: Users who had more than m rows.
+        seed: The seed of the draw (None: OS randomness).
+    """
 
     n_users: int
     max_samples_per_user: int
@@ -29,7 +39,13 @@ class BoundingReport:
 
 
 class UserSubset(Subset):
-    """A ``torch.utils.data.Subset`` that remembers the user id of each kept row."""
+    """A ``torch.utils.data.Subset`` that remembers the user id of each kept row.
+
+    Args:
+        dataset: The full dataset.
+        indices: The kept rows' indices into ``dataset``.
+        user_ids: The user id of each kept row, aligned with ``indices``.
+    """
 
     def __init__(self, dataset: Any, indices: Sequence[int], user_ids: Sequence[Any]):
         super().__init__(dataset, list(indices))
@@ -46,10 +62,23 @@ def bound_contributions(
 ) -> Tuple[Any, BoundingReport]:
     """Keep at most ``max_samples_per_user`` rows per user (uniformly at random, seeded per user).
 
-    Returns the bounded dataset, in the original row order, and a :class:`BoundingReport`.
-    A ``datasets.Dataset`` comes back as a ``datasets.Dataset`` (its user column rides along); any
-    other dataset as a :class:`UserSubset` carrying the kept rows' ``user_ids``. Bounding a bounded
-    dataset again drops nothing.
+    Bounding a bounded dataset again drops nothing.
+
+    Args:
+        dataset: The dataset (a ``datasets.Dataset`` or any sized, indexable dataset).
+        max_samples_per_user: The contribution bound m.
+        user_column: The user-id column of a ``datasets.Dataset``.
+        user_ids: One user id per row, overriding ``user_column``.
+        seed: The seed of the per-user draws (None: OS randomness).
+
+    Returns:
+        The bounded dataset, in the original row order, and a :class:`BoundingReport`. A ``datasets.Dataset``
+        comes back as a ``datasets.Dataset`` (its user column rides along); any other dataset as a
+        :class:`UserSubset` carrying the kept rows' ``user_ids``.
+
+    Raises:
+        ValueError: If ``max_samples_per_user`` is not an integer ≥ 1, or the user ids cannot be resolved
+            (see :func:`~trl_userdp.data.resolve_user_ids`).
     """
     m = check_max_samples_per_user(max_samples_per_user)
     index = resolve_user_ids(dataset, user_column=user_column, user_ids=user_ids)
@@ -69,9 +98,19 @@ def bound_contributions(
 
 
 def user_rng(seed: Optional[int], stream: str, key: Any) -> np.random.Generator:
-    """A generator for one user, keyed by the user's id: adding or removing another user leaves this
-    user's draw unchanged, so bounded neighbouring datasets still differ in one user only. ``stream`` names
-    the use (``"bounding"``, ``"phases"``; :func:`~trl_userdp.seeding.derive_seed`)."""
+    """A generator for one user, keyed by the user's id.
+
+    Adding or removing another user leaves this user's draw unchanged, so bounded neighbouring datasets still
+    differ in one user only.
+
+    Args:
+        seed: The run seed (None: OS randomness).
+        stream: The use (``"bounding"``, ``"phases"``; :func:`~trl_userdp.seeding.derive_seed`).
+        key: The user's original id.
+
+    Returns:
+        A ``numpy.random.Generator``.
+    """
     if seed is None:
         return np.random.default_rng()
     user = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little")

@@ -25,8 +25,16 @@ class UserBatch(NamedTuple):
 
 
 class UserTaggedDataset(Dataset):
-    """``dataset[i]`` paired with the user code of row ``i``; a ``user_column`` key is removed
-    from dict rows so the model never sees it."""
+    """``dataset[i]`` paired with the user code of row ``i``.
+
+    Args:
+        dataset: The dataset.
+        codes: The user code of each row (``UserIndex.codes``).
+        user_column: If set, this key is removed from dict rows so the model never sees it.
+
+    Raises:
+        ValueError: If ``codes`` and ``dataset`` differ in length.
+    """
 
     def __init__(self, dataset: Any, codes: Sequence[int], user_column: Optional[str] = None):
         if len(codes) != len(dataset):
@@ -46,7 +54,14 @@ class UserTaggedDataset(Dataset):
 
 
 def empty_like(batch: Any) -> Any:
-    """The same structure with zero rows: tensors cut to ``[:0]``, per-example lists emptied."""
+    """The same structure with zero rows.
+
+    Args:
+        batch: A collated batch: tensors, mappings, lists and tuples (named tuples included), nested.
+
+    Returns:
+        The batch with tensors cut to ``[:0]`` and per-example lists emptied; other leaves unchanged.
+    """
     if isinstance(batch, torch.Tensor):
         return batch[:0]
     if isinstance(batch, Mapping):
@@ -70,6 +85,9 @@ class UserCollator:
             belong to the same user.
         user_key: if set, the batch (a mapping) gets the row users under this key and is returned
             as is (the Trainer path); otherwise a :class:`UserBatch` is returned.
+
+    Raises:
+        ValueError: If ``rows_per_example`` < 1.
     """
 
     def __init__(
@@ -88,6 +106,17 @@ class UserCollator:
         self.user_key = user_key
 
     def __call__(self, tagged: List[Tuple[Any, int]]) -> Any:
+        """Collate ``(example, user_code)`` pairs.
+
+        Args:
+            tagged: The pairs of one batch (possibly none: an empty step).
+
+        Returns:
+            A :class:`UserBatch`, or with ``user_key`` the collated mapping with the row users added.
+
+        Raises:
+            ValueError: If ``user_key`` is set and the collator does not return a mapping.
+        """
         examples = [example for example, _ in tagged]
         users = torch.tensor([user for _, user in tagged], dtype=torch.long)
         batch = self.collate_fn(examples) if examples else empty_like(self.collate_fn([self.template]))

@@ -23,8 +23,30 @@ class UserDataLoader(DataLoader):
     ``user_key``, dict batches carry the map under that key instead (for loops, like transformers'
     Trainer, that prefetch batches); then no callback runs.
 
-    If ``max_samples_per_user`` is given, a user with more rows raises: the dataset must be bounded
-    first (:func:`~trl_userdp.data.bound_contributions`).
+    Args:
+        dataset: The (bounded) dataset.
+        users_per_batch: Expected users per step ``ñ``; ``q = ñ / n_users``.
+        user_ids: One user id per row, overriding ``user_column``.
+        user_column: The user-id column of a ``datasets.Dataset`` (removed from the rows the collator sees).
+        max_samples_per_user: If given, the contribution bound m the dataset must already meet (bound it first
+            with :func:`~trl_userdp.data.bound_contributions`).
+        collate_fn: The collator to wrap (see :class:`~trl_userdp.data.UserCollator`).
+        rows_per_example: Rows the collator emits per example (2 for TRL's preference collators).
+        steps: Steps per pass; default ``round(1/q)``.
+        max_users_per_batch: Truncate a step to this many users (AUP-RLHF).
+        samples_per_user: Draw this many of a sampled user's rows per step instead of all of them.
+        seed: The seed of the user draws (default: OS randomness).
+        generator: The generator of the user draws.
+        num_replicas: The number of data-parallel ranks.
+        rank: This process's rank.
+        user_key: If set, dict batches carry the row users under this key and no callback runs.
+        micro_batches: Micro-batches of whole users per draw.
+        **kwargs: Passed to ``torch.utils.data.DataLoader`` (not the batching arguments).
+
+    Raises:
+        ValueError: If ``kwargs`` holds a batching argument (``batch_size``, ``shuffle``, ``sampler``,
+            ``batch_sampler``, ``drop_last``), a user has more than ``max_samples_per_user`` rows, the user ids
+            cannot be resolved, or a sampler argument is invalid (:class:`~trl_userdp.data.UserPoissonSampler`).
     """
 
     def __init__(
@@ -85,6 +107,7 @@ class UserDataLoader(DataLoader):
 
     @property
     def user_sampler(self) -> UserPoissonSampler:
+        """The batch sampler over users."""
         return self.batch_sampler
 
     @property
@@ -106,11 +129,20 @@ class UserDataLoader(DataLoader):
         return self.batch_sampler.micro_batches
 
     def add_batch_callback(self, fn: Callable[..., None]) -> None:
-        """Call ``fn(row_users, continuation=...)`` whenever a batch is yielded (``continuation``: a micro-batch
-        after the first of its draw)."""
+        """Register a callback run whenever a batch is yielded.
+
+        Args:
+            fn: Called as ``fn(row_users, continuation=...)``, with the batch's row → user map and
+                ``continuation`` True for a micro-batch after the first of its draw.
+        """
         self._callbacks.append(fn)
 
     def set_epoch(self, epoch: int) -> None:
+        """Continue the user draws at an epoch (:meth:`UserPoissonSampler.set_epoch`).
+
+        Args:
+            epoch: The 0-based epoch.
+        """
         self.batch_sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
@@ -128,13 +160,20 @@ class UserDataLoader(DataLoader):
 
 
 class PhasedUserDataLoader:
-    """AUP-RLHF's Alg. 1 phases run one after another: phase ``i``'s :class:`UserDataLoader` (its own
-    users, rate and step count) yields all its steps, then phase ``i + 1``'s. Before the first batch of
-    a new phase every phase callback runs with the phase index (the engine switches the optimizer's σ,
-    AboveThreshold and accountant there), so each batch must be stepped before the next is fetched.
+    """AUP-RLHF's Alg. 1 phases run one after another.
 
-    One pass yields the next ``steps_per_iteration`` steps of the schedule (an epoch's worth when
-    the run was given in epochs), so ``for epoch in range(epochs): for batch in loader`` runs it all.
+    Phase ``i``'s :class:`UserDataLoader` (its own users, rate and step count) yields all its steps, then phase
+    ``i + 1``'s. Before the first batch of a new phase every phase callback runs with the phase index (the engine
+    switches the optimizer's σ, AboveThreshold and accountant there), so each batch must be stepped before the
+    next is fetched.
+
+    Args:
+        loaders: One loader per phase, in order.
+        steps_per_iteration: Steps one pass yields: the next ones of the schedule (an epoch's worth when the run
+            was given in epochs), so ``for epoch in range(epochs): for batch in loader`` runs it all.
+
+    Raises:
+        ValueError: If ``loaders`` is empty.
     """
 
     def __init__(self, loaders: Sequence[UserDataLoader], steps_per_iteration: int):
@@ -155,6 +194,7 @@ class PhasedUserDataLoader:
 
     @property
     def current(self) -> UserDataLoader:
+        """The current phase's loader."""
         return self.loaders[self.phase]
 
     @property
@@ -176,11 +216,20 @@ class PhasedUserDataLoader:
         return self.current.last_row_users
 
     def add_batch_callback(self, fn: Callable[[torch.Tensor], None]) -> None:
+        """Register a batch callback with every phase's loader (:meth:`UserDataLoader.add_batch_callback`).
+
+        Args:
+            fn: Called as ``fn(row_users, continuation=...)`` whenever a batch is yielded.
+        """
         for loader in self.loaders:
             loader.add_batch_callback(fn)
 
     def add_phase_callback(self, fn: Callable[[int], None]) -> None:
-        """Call ``fn(phase)`` before the first batch of every phase after the first."""
+        """Register a callback run before the first batch of every phase after the first.
+
+        Args:
+            fn: Called as ``fn(phase)`` with the new phase's 0-based index.
+        """
         self._phase_callbacks.append(fn)
 
     def __iter__(self) -> Iterator[Any]:

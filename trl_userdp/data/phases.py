@@ -19,7 +19,18 @@ PHASE_USERS = ("all", "paper")
 
 
 def phase_shares(phases: int, phase_users: str = "all") -> np.ndarray:
-    """Share of the users in each of ``phases`` phases (smallest first, as in Alg. 1)."""
+    """Share of the users in each phase (smallest first, as in Alg. 1).
+
+    Args:
+        phases: The number of phases k ≥ 1.
+        phase_users: ``"all"`` (geometric split rescaled to use every user) or ``"paper"`` (Alg. 1 as written).
+
+    Returns:
+        The k shares, ``2^{−(k+1−i)}`` for phase i (rescaled to sum to 1 with ``"all"``).
+
+    Raises:
+        ValueError: If ``phases`` is not an integer ≥ 1 or ``phase_users`` is unknown.
+    """
     if isinstance(phases, bool) or not isinstance(phases, int) or phases < 1:
         raise ValueError(f"phases must be an integer >= 1, got {phases!r}.")
     if phase_users not in PHASE_USERS:
@@ -29,7 +40,16 @@ def phase_shares(phases: int, phase_users: str = "all") -> np.ndarray:
 
 
 def assign_phases(index: UserIndex, shares: np.ndarray, seed: Optional[int]) -> np.ndarray:
-    """Phase of every user (``-1``: in no phase), one keyed uniform draw per user."""
+    """Phase of every user, one keyed uniform draw per user.
+
+    Args:
+        index: The users.
+        shares: The share of the users in each phase (:func:`phase_shares`).
+        seed: The run seed (None: OS randomness).
+
+    Returns:
+        The phase of each user code, in ``[0, len(shares))``, or ``-1`` for a user in no phase.
+    """
     edges = np.cumsum(shares)
     draws = np.array([user_rng(seed, "phases", key).random() for key in index.keys.tolist()])
     phase = np.searchsorted(edges, draws, side="right")
@@ -37,7 +57,17 @@ def assign_phases(index: UserIndex, shares: np.ndarray, seed: Optional[int]) -> 
 
 
 def phase_datasets(dataset: Any, index: UserIndex, phase_of_user: np.ndarray, phases: int) -> List[Any]:
-    """The rows of each phase's users, in the original order (a ``datasets.Dataset`` stays one)."""
+    """The rows of each phase's users, in the original order.
+
+    Args:
+        dataset: The (bounded) dataset.
+        index: Its users.
+        phase_of_user: The phase of each user code (:func:`assign_phases`).
+        phases: The number of phases.
+
+    Returns:
+        One dataset per phase: a ``datasets.Dataset`` stays one; any other dataset becomes a :class:`UserSubset`.
+    """
     keep_hf = is_hf_dataset(dataset) and not hasattr(dataset, "user_ids")
     out = []
     for i in range(phases):

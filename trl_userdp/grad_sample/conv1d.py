@@ -16,7 +16,17 @@ from transformers.pytorch_utils import Conv1D
 @register_grad_sampler(Conv1D)
 def compute_conv1d_grad_sample(layer: Conv1D, activations: List[torch.Tensor],
                                backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per-sample ``Σ_t a_t g_tᵀ`` ([n, in, out], the transpose of ``nn.Linear``'s) and ``Σ_t g_t``."""
+    """Per-sample gradients of a ``Conv1D``.
+
+    Args:
+        layer: The layer.
+        activations: Its inputs, ``[activations]`` with ``a`` of shape ``[n, ..., in]``.
+        backprops: The gradients of its output, ``[n, ..., out]``.
+
+    Returns:
+        ``{weight: Σ_t a_t g_tᵀ}`` ([n, in, out], the transpose of ``nn.Linear``'s) and ``{bias: Σ_t g_t}``
+        ([n, out]), for the trainable parameters.
+    """
     a = activations[0].to(backprops.dtype)
     ret = {}
     if layer.weight.requires_grad:
@@ -29,6 +39,14 @@ def compute_conv1d_grad_sample(layer: Conv1D, activations: List[torch.Tensor],
 @register_norm_sampler(Conv1D)
 def compute_conv1d_norm_sample(layer: Conv1D, activations: List[torch.Tensor],
                                backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per-sample norms: those of ``nn.Linear`` (a norm does not see the transpose), keyed by this layer's
-    parameters."""
+    """Per-sample gradient norms of a ``Conv1D``: those of ``nn.Linear`` (a norm does not see the transpose).
+
+    Args:
+        layer: The layer.
+        activations: Its inputs, ``[activations]`` with ``a`` of shape ``[n, ..., in]``.
+        backprops: The gradients of its output, ``[n, ..., out]``.
+
+    Returns:
+        ``{param: [n] norms}``, keyed by this layer's parameters.
+    """
     return compute_linear_norm_sample(layer, activations, backprops)

@@ -60,7 +60,15 @@ def _pack(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def packing_index(slots: torch.Tensor, n_units: int) -> torch.Tensor:
-    """``[U, L]``: the rows of each unit in order (``slots[r]`` = row ``r``'s unit), padded with ``R`` (a zero row)."""
+    """The rows of each unit in order, padded.
+
+    Args:
+        slots: The unit of each row ``[R]`` (``slots[r]`` = row ``r``'s unit, in ``[0, n_units)``).
+        n_units: The number of units U.
+
+    Returns:
+        A LongTensor ``[U, L]`` (``L`` = most rows of one unit) of row indices, padded with ``R`` (a zero row).
+    """
     n_rows = len(slots)
     counts = torch.bincount(slots, minlength=n_units)
     order = torch.argsort(slots, stable=True)
@@ -94,11 +102,15 @@ TRUSTED_SHARE = 1e-2
 class LayerRecord:
     """What one packable layer left in the current micro-batch.
 
-    Gram route: ``passes`` holds each backward pass's ``(activations, output gradients, scale)`` (kept for the
-    book-kept sum), ``norm2`` the units' ``‖G_u‖²`` and ``bound`` ``S_u = Σ_{positions of u} ‖a‖‖g‖`` (≥ ‖G_u‖, the
-    scale of the rounding error; ``rounding`` its relative constant). Direct route, or several passes of a layer
-    whose shapes differ: ``unit_grads`` ``{param: [U, *p.shape]}``, summed over the passes, their norms taken at
-    the flush from the very tensors that are added.
+    Args:
+        params: The layer's trainable parameters.
+        passes: Gram route: each backward pass's ``(activations, output gradients, scale)`` (kept for the
+            book-kept sum).
+        unit_grads: Direct route, or several passes of a layer whose shapes differ: ``{param: [U, *p.shape]}``,
+            summed over the passes, their norms taken at the flush from the very tensors that are added.
+        norm2: Gram route: the units' ``‖G_u‖²`` ``[U]``.
+        bound: Gram route: ``S_u = Σ_{positions of u} ‖a‖‖g‖`` ``[U]`` (≥ ‖G_u‖, the scale of the rounding error).
+        rounding: The rounding error's relative constant.
     """
 
     params: List[nn.Parameter]
@@ -115,6 +127,10 @@ class UserGhostHooks(UserGradSampleHooks):
     The optimizer sets :attr:`clip_factors` (norms ``[U]`` -> factors ``[U]``) and, after the last micro-batch's
     backward pass, takes :meth:`clipped_sums`. Each micro-batch must hold its units' rows whole (the loader's
     ``micro_batches`` draws whole users); a unit met again in a later micro-batch of the same step raises.
+
+    Args:
+        m: The model, hooked in place (not wrapped).
+        **kwargs: Passed to :class:`UserGradSampleHooks` (``batch_first``, ``strict``, ``force_functorch``).
     """
 
     ghost = True
@@ -138,6 +154,7 @@ class UserGhostHooks(UserGradSampleHooks):
 
     # -- per step and per micro-batch state ---------------------------------------------------
     def reset_step(self, clear_pending: bool = True) -> None:
+        """:meth:`UserGradSampleHooks.reset_step`, plus the step's clipped sums and the micro-batch's records."""
         super().reset_step(clear_pending)
         self._reset_micro_batch()
         #: Σ_u c_u ḡ_u so far in this step, per parameter
@@ -160,6 +177,7 @@ class UserGhostHooks(UserGradSampleHooks):
         p.grad = None
 
     def received_gradient(self, p: nn.Parameter) -> bool:
+        """:meth:`UserGradSampleHooks.received_gradient`, also counting gradients freed by the hooks."""
         flag = getattr(p, "_grad_nonzero", None)
         return super().received_gradient(p) or (flag is not None and bool(flag))
 
@@ -181,9 +199,11 @@ class UserGhostHooks(UserGradSampleHooks):
 
     @property
     def units_in_step(self) -> int:
+        """Units with rows in the current step, over its micro-batches."""
         return len(self.units_seen)
 
     def set_row_users(self, row_users: Optional[torch.Tensor], *, continuation: bool = False) -> None:
+        """:meth:`UserGradSampleHooks.set_row_users`; a continuation first clips the previous micro-batch."""
         if row_users is not None and continuation and self._pending is not None:
             self._flush()  # the previous micro-batch's units are complete: clip them and free their tensors
         super().set_row_users(row_users, continuation=continuation)
@@ -199,11 +219,31 @@ class UserGhostHooks(UserGradSampleHooks):
 
     # -- Opacus extension points --------------------------------------------------------------
     def capture_activations_hook(self, module, forward_input, forward_output):
+        """Opacus's forward hook; a layer that runs twice in one pass leaves the ghost route (materialised).
+
+        Args:
+            module: The layer.
+            forward_input: Its inputs.
+            forward_output: Its output.
+        """
         super().capture_activations_hook(module, forward_input, forward_output)
         if module in self.ghost_modules and any(p._forward_counter > 1 for _, p in trainable_parameters(module)):
             self.ghost_modules.discard(module)  # runs twice per pass: cross terms between its calls; materialise it
 
     def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
+        """Record a ghost layer's backward pass (norms by the Gram or direct route); other layers as the base class.
+
+        Args:
+            module: The layer.
+            _forward_input: Its input gradients (unused).
+            forward_output: The gradients of its output.
+            loss_reduction: ``"mean"`` or ``"sum"``.
+            batch_first: Whether the batch dimension comes first.
+
+        Raises:
+            ValueError: If the step's users were already clipped, the batch has no row → user map, its row
+                count differs from the layer's, or a user of an earlier micro-batch of the step came back.
+        """
         if not self.hooks_enabled:
             return
         if module not in self.ghost_modules:
@@ -434,8 +474,17 @@ class UserGhostHooks(UserGradSampleHooks):
         super().remove_hooks()
 
     def clipped_sums(self, params: List[nn.Parameter]) -> List[torch.Tensor]:
-        """Clip the last micro-batch and return ``Σ_u c_u ḡ_u`` for each of ``params`` (zeros where no unit reached
-        it); no backward pass may follow in this step."""
+        """Clip the last micro-batch and return the step's clipped sums; no backward pass may follow in this step.
+
+        Args:
+            params: The parameters whose sums are wanted.
+
+        Returns:
+            ``Σ_u c_u ḡ_u`` for each of ``params``, in order (zeros where no unit reached it).
+
+        Raises:
+            ValueError: If :attr:`clip_factors` is not set while units are pending.
+        """
         self._flush()
         self.closed = True
         return [self.clipped[p] if p in self.clipped else torch.zeros_like(p) for p in params]

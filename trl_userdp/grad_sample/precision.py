@@ -6,8 +6,17 @@ import torch
 
 
 def round_down(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``factor`` (fp32, in [0, 1]) in ``dtype``, rounded towards zero: a clip factor rounded up in bf16 would let a
-    unit's clipped gradient exceed ``C`` by up to 2⁻⁸."""
+    """A clip factor in a lower precision, rounded towards zero.
+
+    A clip factor rounded up in bf16 would let a unit's clipped gradient exceed ``C`` by up to 2⁻⁸.
+
+    Args:
+        factor: The clip factors (fp32, in [0, 1]).
+        dtype: The target dtype.
+
+    Returns:
+        ``factor`` in ``dtype``, never above the fp32 value.
+    """
     low = factor.to(dtype)
     if low.dtype == factor.dtype:
         return low

@@ -30,6 +30,12 @@ class UserGradSampleHooks(GradSampleHooks):
     Before each forward/backward, :meth:`set_row_users` must receive the unit of every row of the
     batch (``UserDataLoader`` does it when it yields a batch). A layer whose per-sample gradient has
     a different number of rows than the batch raises instead of producing a wrong gradient.
+
+    Args:
+        m: The model, hooked in place (not wrapped).
+        batch_first: Whether the batch dimension comes first in the layers' inputs (Opacus's ``batch_first``).
+        strict: Opacus's ``strict``: reject modules with buffers that mix the rows of a batch.
+        force_functorch: Compute every layer's per-sample gradients with functorch.
     """
 
     #: per-unit gradients are materialised (:class:`~trl_userdp.grad_sample.ghost.UserGhostHooks` clips without them)
@@ -45,14 +51,21 @@ class UserGradSampleHooks(GradSampleHooks):
 
     # -- the row -> unit map -------------------------------------------------------------
     def set_row_users(self, row_users: Optional[torch.Tensor], *, continuation: bool = False) -> None:
-        """The unit code of each row of the next batch (LongTensor [R]).
+        """Set the unit code of each row of the next batch.
 
         Every batch the loader draws must be used by one ``optimizer.step()`` before the next is
         drawn: a second draw before the step would merge two Poisson draws into one accounted step,
-        and a loader wrapper that reads ahead would pair a batch with the next batch's users. Both
-        raise here. ``continuation=True`` declares another piece (micro-batch) of the batch already
-        drawn for this step; ``None`` discards the pending batch unused: with it every per-unit sum, count and
-        autograd gradient of the step so far, so nothing of a discarded draw reaches a later step.
+        and a loader wrapper that reads ahead would pair a batch with the next batch's users.
+
+        Args:
+            row_users: The unit code of each row (LongTensor [R]), or None to discard the pending batch unused:
+                with it every per-unit sum, count and autograd gradient of the step so far, so nothing of a
+                discarded draw reaches a later step.
+            continuation: Declares another piece (micro-batch) of the batch already drawn for this step.
+
+        Raises:
+            ValueError: If ``continuation`` is True with no batch drawn, or False while a drawn batch has not
+                been stepped.
         """
         if row_users is None:
             self.discard_step()
@@ -86,9 +99,12 @@ class UserGradSampleHooks(GradSampleHooks):
         self._serial += 1
 
     def reset_step(self, clear_pending: bool = True) -> None:
-        """Forget the per-unit sums of the current step; ``clear_pending`` also forgets the drawn
-        batch (after ``optimizer.step()``; ``zero_grad()`` keeps it, as it runs between the draw and
-        the backward pass)."""
+        """Forget the per-unit sums of the current step.
+
+        Args:
+            clear_pending: Also forget the drawn batch (after ``optimizer.step()``; ``zero_grad()`` keeps it, as
+                it runs between the draw and the backward pass).
+        """
         self.unit_ids: List[int] = []
         self._slot_of: Dict[int, int] = {}
         self.unit_counts = torch.zeros(0)
@@ -135,6 +151,19 @@ class UserGradSampleHooks(GradSampleHooks):
 
     # -- Opacus extension point -------------------------------------------------------
     def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
+        """Opacus's backward hook, then the layer's fresh per-row gradients summed into the unit slots.
+
+        Args:
+            module: The layer.
+            _forward_input: Its input gradients (unused).
+            forward_output: The gradients of its output.
+            loss_reduction: ``"mean"`` or ``"sum"``.
+            batch_first: Whether the batch dimension comes first.
+
+        Raises:
+            ValueError: If the batch has no row → user map, the per-row gradients have another row count than
+                the batch, or the step's gradients were already averaged.
+        """
         if not self.hooks_enabled:
             return
         super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
@@ -178,7 +207,14 @@ class UserGradSampleHooks(GradSampleHooks):
         return acc
 
     def received_gradient(self, p: nn.Parameter) -> bool:
-        """Whether autograd gave ``p`` a non-zero gradient in this step (a use the hooks must have seen)."""
+        """Whether autograd gave ``p`` a non-zero gradient in this step (a use the hooks must have seen).
+
+        Args:
+            p: A trainable parameter.
+
+        Returns:
+            True if ``p.grad`` has a non-zero entry (NaN counts as zero).
+        """
         return p.grad is not None and bool(torch.count_nonzero(torch.nan_to_num(p.grad)) > 0)
 
     def _row_mismatch(self, p: nn.Parameter, got: int, expected: int) -> None:

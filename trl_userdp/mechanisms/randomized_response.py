@@ -18,12 +18,12 @@ import numpy as np
 from accelerate import PartialState
 from datasets import load_from_disk
 
-from ..accountants import PrivacyReport
 from ..accountants.events import rr_keep_probability, rr_move_probability
+from ..accountants.report import PrivacyReport
 from ..data import DEFAULT_USER_COLUMN, bound_contributions
 from ..seeding import derive_seed
 from ..validators import check_epsilon, check_max_samples_per_user
-from .base import Mechanism, register_mechanism
+from .base import AccountingSetting, Mechanism, WalkthroughColumn, register_mechanism
 
 #: Column added to a privatized dataset: the per-label ε' it was privatized with. Its presence marks
 #: the dataset as privatized (privatizing twice is refused), and trainers read it to set the loss.
@@ -48,6 +48,9 @@ class UserRandomizedResponse:
         max_samples_per_user: m, the contribution bound (rows beyond it are dropped first).
         num_choices: K (2 for pairwise preferences).
         seed: seeds the bounding draw and the flips (None: fresh OS entropy).
+
+    Raises:
+        ValueError: a non-positive ε, an m that is not a positive integer, or a K that is not an integer ≥ 2.
     """
 
     def __init__(self, epsilon: float, max_samples_per_user: int, num_choices: int = 2, seed: Optional[int] = None):
@@ -65,17 +68,34 @@ class UserRandomizedResponse:
 
     @property
     def keep_probability(self) -> float:
+        """The probability a label is kept, ``e^ε'/(e^ε' + K − 1)``."""
         return rr_keep_probability(self.epsilon_per_label, self.num_choices)
 
     @property
     def flip_rate(self) -> float:
-        """Binary case: probability a label is flipped, ``1 − σ(ε/m)`` (rDPO's ρ)."""
+        """Binary case: probability a label is flipped, ``1 − σ(ε/m)`` (rDPO's ρ).
+
+        Raises:
+            ValueError: K > 2 (use :attr:`keep_probability`).
+        """
         if self.num_choices != 2:
             raise ValueError("flip_rate is defined for binary labels; use keep_probability for K > 2.")
         return rr_move_probability(self.epsilon_per_label)
 
     def privatize_labels(self, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """K-RR on an array of label indices in ``[0, K)``."""
+        """K-RR on label indices: each kept with probability :attr:`keep_probability`, else moved uniformly to one
+        of the K − 1 others.
+
+        Args:
+            labels: integer label indices in ``[0, K)``.
+            rng: the source of the draws.
+
+        Returns:
+            The privatized labels, of the same shape.
+
+        Raises:
+            ValueError: labels that are not integers in ``[0, K)``.
+        """
         labels = np.asarray(labels)
         if labels.size and (labels.min() < 0 or labels.max() >= self.num_choices or not np.issubdtype(labels.dtype, np.integer)):
             raise ValueError(f"labels must be integers in [0, {self.num_choices}), got values in [{labels.min()}, {labels.max()}].")
@@ -95,9 +115,21 @@ class UserRandomizedResponse:
     ) -> Tuple[Any, PrivacyReport]:
         """Bound each user to m rows, randomize every label once, and report the guarantee.
 
-        ``dataset`` is a ``datasets.Dataset`` with a user column and either a ``label_column`` or
-        ``chosen``/``rejected`` columns (swapped where the label flips). Returns the privatized
-        dataset (with the :data:`PRIVATIZED_COLUMN` marker) and a :class:`PrivacyReport`.
+        Args:
+            dataset: a ``datasets.Dataset`` with a user column and either a ``label_column`` or the
+                ``chosen``/``rejected`` columns (swapped where the label flips).
+            user_column: the column naming each row's user.
+            label_column: the column holding the index of the preferred response, in ``[0, K)`` (None: binary
+                pairs in ``chosen_column`` and ``rejected_column``).
+            chosen_column: the preferred response of a binary pair.
+            rejected_column: the other response.
+
+        Returns:
+            The privatized dataset (with the :data:`PRIVATIZED_COLUMN` marker) and its :class:`PrivacyReport`.
+
+        Raises:
+            ValueError: a dataset privatized already; a missing label column (or none named with K > 2); columns
+                derived from the labels; labels that are missing, not integers or outside ``[0, K)``.
         """
         if PRIVATIZED_COLUMN in getattr(dataset, "column_names", ()):
             raise ValueError(
@@ -161,11 +193,23 @@ class UserRandomizedResponse:
         )
 
     def privatize_once(self, dataset: Any, directory: str, **kwargs: Any) -> Tuple[Any, PrivacyReport]:
-        """:meth:`privatize`, drawn once per ``directory``: the first call saves the privatized dataset (the
-        mechanism's output, safe to publish) under ``directory/{OUTPUT_DIR}``; later calls (a resumed run)
-        reuse it instead of drawing fresh flips, which would be a second, unaccounted release of the same
-        labels. A saved output that does not match ``dataset`` (other users, other pairs, other settings)
-        is refused. Under several processes the main one draws, the others load its output."""
+        """:meth:`privatize`, drawn once per directory: the first call saves the privatized dataset (the
+        mechanism's output, safe to publish); later calls (a resumed run) reuse it instead of drawing fresh flips,
+        which would be a second, unaccounted release of the same labels. Under several processes the main one
+        draws, the others load its output.
+
+        Args:
+            dataset: as for :meth:`privatize`.
+            directory: the run's output directory; the output is kept in ``directory/{OUTPUT_DIR}``.
+            **kwargs: :meth:`privatize`'s column arguments.
+
+        Returns:
+            The privatized dataset and its :class:`PrivacyReport`.
+
+        Raises:
+            ValueError: a saved output that does not match ``dataset`` (other users, other pairs, other settings),
+                or as :meth:`privatize`.
+        """
         path = os.path.join(directory, OUTPUT_DIR)
         with PartialState().main_process_first():
             if os.path.isdir(path):
@@ -216,8 +260,21 @@ class RandomizedResponse(Mechanism):
     name = "randomized_response"
     kind = "labels"
     summary = "labels privatized once by randomized response at ε/m each, then the de-biased loss (labels only)"
+    walkthrough_notes = ("RR flip: user-level randomized response flips each label with probability 1 − sigmoid(ε/m).",)
 
     @staticmethod
     def label_privatizer(args: Any) -> UserRandomizedResponse:
-        """The privatizer a trainer's ``args`` ask for (ε, m, and the privacy seed)."""
+        """The privatizer a trainer's config asks for.
+
+        Args:
+            args: the trainer config: its ``target_epsilon`` (ε), ``max_samples_per_user`` (m) and ``privacy_seed``.
+
+        Returns:
+            The :class:`UserRandomizedResponse`.
+        """
         return UserRandomizedResponse(args.target_epsilon, args.max_samples_per_user, seed=args.privacy_seed)
+
+    @classmethod
+    def walkthrough(cls, epsilon: float, setting: AccountingSetting) -> Tuple[WalkthroughColumn, ...]:
+        """The probability each label is flipped at ε/m."""
+        return (WalkthroughColumn("RR flip", "per label", rr_move_probability(epsilon / setting.max_samples_per_user)),)

@@ -20,39 +20,24 @@ from typing import Any, Dict, Optional
 import torch
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
-from .user_optimizer import UserDPOptimizer
-
-
-def gradient_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:
-    """``σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2)``: the gradient noise that, with the count's noise ``σ_b``, makes one step
-    a Gaussian mechanism at ``σ`` (Andrew et al. 2021, Thm 1). Needs ``2σ_b > σ``."""
-    if noise_multiplier == 0:
-        return 0.0
-    if not 2 * count_noise_multiplier > noise_multiplier:
-        raise ValueError(f"count_noise_multiplier must exceed noise_multiplier / 2 = {noise_multiplier / 2:.4g} "
-                         f"(got {count_noise_multiplier:.4g}): the count alone would spend more than the step's budget.")
-    return (noise_multiplier ** -2 - (2 * count_noise_multiplier) ** -2) ** -0.5
-
-
-def default_count_noise_multiplier(expected_units: float, noise_multiplier: float) -> float:
-    """``σ_b = max(ñ/20, σ)``: Andrew et al.'s ñ/20 for hundreds of users per step; at least σ keeps ``σ_Δ ≤ 1.155σ``."""
-    return max(expected_units / 20, noise_multiplier)
-
-
-def next_clip(clip: float, centred_noisy_count: float, expected_units: float, target_quantile: float,
-              clip_learning_rate: float) -> float:
-    """``C_{t+1} = C_t · exp(−η (b̃ − γ))`` with ``b̃ = (Σ_u (b_u − ½) + noise)/ñ + ½`` (Andrew et al. 2021, Alg. 1)."""
-    return clip * math.exp(-clip_learning_rate * (centred_noisy_count / expected_units + 0.5 - target_quantile))
+from ..mechanisms.adaptive_clipping import default_count_noise_multiplier, gradient_noise_multiplier, next_clip
+from .user_optimizer import UserDPOptimizer, UserDPOptimizerFastGradientClipping
 
 
 class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
-    """:class:`UserDPOptimizer` with Andrew et al.'s private quantile clipping on per-user norms.
+    """:class:`UserDPOptimizer` with Andrew et al.'s private quantile clipping on per-user norms; ``max_grad_norm`` is
+    the initial clip ``C_0``.
 
-    Args (beyond :class:`UserDPOptimizer`'s; ``max_grad_norm`` is the initial clip ``C_0``):
+    Args:
+        optimizer: the wrapped optimizer.
         target_quantile: γ, the fraction of users whose averaged gradient should lie within the clip.
         clip_learning_rate: η of the geometric update.
         count_noise_multiplier: σ_b, the std of the noise on the centred count; default ``max(ñ/20, σ)`` (Andrew et
             al. suggest ñ/20 for hundreds of users per step; at least σ keeps the gradient noise within 1.16σ).
+        **kwargs: :class:`UserDPOptimizer`'s other arguments.
+
+    Raises:
+        ValueError: γ outside (0, 1), a non-positive η, or ``2σ_b ≤ σ``.
     """
 
     def __init__(self, optimizer, *, target_quantile: float, clip_learning_rate: float,
@@ -72,7 +57,11 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
 
     def within_clip(self) -> int:
         """The step's count of users within the clip, ``Σ_u b_u`` with ``b_u = [‖g_u‖ ≤ C_t]``, over every unit of the
-        draw: the norms the clip factors were computed from (all micro-batches and physical batches of the draw)."""
+        draw: the norms the clip factors were computed from (all micro-batches and physical batches of the draw).
+
+        Returns:
+            ``Σ_u b_u``.
+        """
         return sum(int((norms <= self.max_grad_norm).sum()) for norms in self.hooks.unit_norms)
 
     def add_noise(self) -> None:
@@ -92,6 +81,7 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
 
     @property
     def units_in_step(self) -> int:
+        """The units (users) of the step's draw."""
         return self.hooks.units_in_step
 
     def privacy_state_dict(self) -> Dict[str, Any]:
@@ -99,8 +89,14 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
         return {"max_grad_norm": float(self.max_grad_norm)}
 
     def load_privacy_state_dict(self, state: Dict[str, Any], *, accounted_steps: int, source: str = "checkpoint") -> None:
+        """Restore the clip ``C_t``; a missing, non-finite or non-positive clip is refused (``ValueError``)."""
         if set(state) != {"max_grad_norm"} or not (isinstance(state["max_grad_norm"], float)
                                                     and math.isfinite(state["max_grad_norm"])
                                                     and state["max_grad_norm"] > 0):
             raise ValueError(f"{source}: no adaptive clip for this run (got {state!r}); refusing to resume.")
         self.max_grad_norm = state["max_grad_norm"]
+
+
+class AdaptiveClipUserDPOptimizerFastGradientClipping(AdaptiveClipUserDPOptimizer, UserDPOptimizerFastGradientClipping):
+    """:class:`AdaptiveClipUserDPOptimizer` with per-user ghost clipping (``grad_sample_mode="ghost"``): the count of
+    users within the clip reads the norms the ghost hooks clipped by."""

@@ -30,15 +30,27 @@ logger = logging.getLogger(__name__)
 
 
 class AUPOptimizer(UserDPOptimizer):
-    """AUP-RLHF's adaptive private mean estimation around any ``torch.optim.Optimizer``.
+    """AUP-RLHF's adaptive private mean estimation around any ``torch.optim.Optimizer``; τ takes the place of
+    :class:`UserDPOptimizer`'s clip C.
 
     Args:
+        optimizer: the wrapped optimizer.
         noise_multiplier: σ = PrivacyAccount(ε − ε_svt, δ/2, n, ñ, T) (the Gaussian half).
         concentration_radius: τ.
         expected_batch_size: ñ, expected users per step.
         max_users_per_batch: ñ_max (the truncation of the sampler).
-        epsilon, delta, steps: the run's total (ε, δ) and T, which enter the noise scale.
+        epsilon: the run's total ε, which enters the noise scale.
+        delta: the run's total δ, likewise.
+        steps: T, the planned steps, likewise.
         svt_epsilon: the AboveThreshold budget ε_svt (ε/2 in the paper).
+        hooks: as for :class:`UserDPOptimizer`.
+        generator: as for :class:`UserDPOptimizer` (AboveThreshold and the removal draw from a CPU stream seeded
+            from it).
+        noise_seed: as for :class:`UserDPOptimizer`; it also keys AboveThreshold's and the removal's draws.
+        step_index: as for :class:`UserDPOptimizer`.
+        secure_mode: Opacus's ``secure_mode`` for the Gaussian noise.
+        self_check: as for :class:`UserDPOptimizer`.
+        budget_guard: as for :class:`UserDPOptimizer`.
         average_iterates: keep the running average of the iterates (the output for convex models).
     """
 
@@ -103,7 +115,12 @@ class AUPOptimizer(UserDPOptimizer):
 
     def start_phase(self, noise_multiplier: float, steps: int) -> None:
         """Move to the next phase of Alg. 1 (a disjoint set of users): Alg. 2 starts afresh from the
-        current parameters, with the phase's σ and T. A halted run stays halted."""
+        current parameters, with a fresh AboveThreshold and the phase's σ and T. A halted run stays halted.
+
+        Args:
+            noise_multiplier: the phase's σ.
+            steps: the phase's T.
+        """
         self.finished_phase_queries.append(self.svt.queries)
         self._begin_phase(noise_multiplier, steps)
 
@@ -114,6 +131,7 @@ class AUPOptimizer(UserDPOptimizer):
 
     @property
     def svt_queries_by_phase(self) -> List[int]:
+        """AboveThreshold queries of each phase, the current one last."""
         return self.finished_phase_queries + [self.svt.queries]
 
     def key_randomness(self) -> None:
@@ -131,7 +149,11 @@ class AUPOptimizer(UserDPOptimizer):
 
     def load_privacy_state_dict(self, state: Dict[str, Any], *, accounted_steps: int, source: str = "checkpoint") -> None:
         """Restore the run's threshold (not a new draw) and queries; each accounted step made one query, and a halt
-        one more."""
+        one more.
+
+        Raises:
+            ValueError: no AboveThreshold state, or a query count that does not match ``accounted_steps``.
+        """
         if set(state) != {"noisy_threshold", "queries", "halted", "halted_at_query"}:
             raise ValueError(f"{source}: no AboveThreshold state for this AUP-RLHF run; refusing to resume.")
         if state["queries"] != accounted_steps + int(state["halted"]):
@@ -141,6 +163,18 @@ class AUPOptimizer(UserDPOptimizer):
         self.halted, self.halted_at_query = state["halted"], state["halted_at_query"]
 
     def pre_step(self, closure=None) -> bool:
+        """Alg. 2 steps 8–16 in place of clipping: concentration score, AboveThreshold, randomized removal, and the
+        noisy mean of the kept users as ``p.grad``.
+
+        Args:
+            closure: unused here (Opacus's ``step`` calls it).
+
+        Returns:
+            True to take the step; False when AboveThreshold answers ⊥ (the run halts).
+
+        Raises:
+            ValueError: more than ñ_max users in the step (a loader without truncated sampling).
+        """
         self.key_randomness()
         grads = self.unit_gradients()
         n_units = len(self.hooks.unit_counts)
@@ -169,7 +203,17 @@ class AUPOptimizer(UserDPOptimizer):
         return True
 
     def step(self, closure=None):
-        """One AUP step; after a halt, a no-op (AboveThreshold answers no more queries)."""
+        """One AUP step; after a halt, a no-op (AboveThreshold answers no more queries).
+
+        Args:
+            closure: as ``torch.optim.Optimizer.step``'s.
+
+        Returns:
+            The wrapped optimizer's result, or None after a halt or for a skipped step.
+
+        Raises:
+            PrivacyBudgetExhausted: as :meth:`UserDPOptimizer.step`.
+        """
         if self.halted:
             self.hooks.reset_step(clear_pending=True)
             return None
@@ -189,7 +233,11 @@ class AUPOptimizer(UserDPOptimizer):
 
     def load_iterate_average(self) -> None:
         """Copy the running average of the iterates into the parameters (AUP-RLHF's output for
-        convex models; for networks the last iterate is the usual output)."""
+        convex models; for networks the last iterate is the usual output).
+
+        Raises:
+            ValueError: no average (built without ``average_iterates`` or before the first step).
+        """
         if self.iterate_average is None:
             raise ValueError("No iterate average: construct with average_iterates=True and take a step.")
         with torch.no_grad():

@@ -7,17 +7,17 @@ Per step: ``g_u`` = each unit's average row gradient (from :class:`UserGradSampl
 
 from __future__ import annotations
 
-import math
 import secrets
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+from opacus.optimizers import DistributedDPOptimizer, DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch.optim import Optimizer
 
 from ..grad_sample import UserGradSampleHooks
+from ..grad_sample.checks import check_unit_sums
 from ..grad_sample.precision import round_down
 from ..seeding import derive_seed
 
@@ -83,8 +83,6 @@ class UserDPOptimizer(DPOptimizer):
             secure_mode=secure_mode,
         )
         self.hooks = hooks
-        if hooks.ghost:
-            hooks.clip_factors = self.clip_factors
         self.noise_seed, self.step_index = noise_seed, step_index
         self.self_check = hooks.record_row_norms = self_check
         self.budget_guard = budget_guard
@@ -110,12 +108,17 @@ class UserDPOptimizer(DPOptimizer):
         A unit whose averaged gradient is not finite in some parameter (a NaN label, an overflowing loss or
         input) gets zero in every parameter: its clip factor is 0, so it adds nothing instead of NaN to
         everyone's update. This is a function of that unit's data alone, so each unit's influence stays
-        within its sensitivity (docs/privacy_model.md, "Faults")."""
+        within its sensitivity (docs/privacy_model.md, "Faults").
+
+        Returns:
+            One ``[U, *p.shape]`` tensor per parameter, in :attr:`params` order.
+
+        Raises:
+            ValueError: a training forward pass had no backward pass, a parameter bypassed the hooks, or the
+                first step's self-check failed.
+        """
         if self.hooks.unit_averages is not None:
             return self.hooks.unit_averages
-        if self.hooks.ghost:
-            raise ValueError("Ghost clipping never materialises per-user gradients (grad_sample_mode='ghost'); use "
-                             "grad_sample_mode='hooks' to read them.")
         self._check_backward_complete()
         counts = self.hooks.unit_counts
         n_units = len(counts)
@@ -183,40 +186,9 @@ class UserDPOptimizer(DPOptimizer):
             )
 
     def _self_check(self) -> bool:
-        """Refuse to train if the per-row gradients the hooks summed per unit do not add up to autograd's gradient:
-        ``p.grad = Σ_k (1/R_k) Σ_{r ∈ k} g_r`` over the step's micro-batches k (the hooks keep that weighted sum while
-        the check is pending; one micro-batch: ``Σ_u S_u / R``).
-
-        Float error is relative to the size of what was summed, so each parameter's tolerance is
-        ``rtol · max(‖p.grad‖, Σ_r ‖row gradient‖ / R, ‖whole gradient‖ · √(numel_p / numel))`` with ``rtol`` set
-        by the dtype's precision: the second term covers cancelling rows (a reward head's bias gets +g from the
-        chosen row and −g from the rejected one), the third parameters whose true gradient is zero (BERT's key
-        bias: softmax ignores it), whose computed gradient is float noise of the layer's scale. Returns False, deferring
-        the check to a later step, when autograd's gradient is not finite although every user's is (a sum that
-        overflowed): there is nothing to compare to."""
-        checked = [(p, getattr(p, "_check_sum", None)) for p in self.params if p.grad is not None]
-        whole = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad.float())) ** 2 for p, _ in checked))
-        if not math.isfinite(whole):  # autograd's sum overflowed (huge but finite users): nothing to compare to
-            return False
-        numel = sum(p.numel() for p, _ in checked)
-        for p, s in checked:
-            expected = p.grad.reshape(p.shape).float()
-            s = torch.zeros_like(expected) if s is None else s.float()
-            err = float(torch.linalg.vector_norm(s - expected))
-            # the precision the row gradients were computed in (bf16 under autocast, whatever the parameter's)
-            rtol = max(1e-3, 16 * torch.finfo(p.dtype).eps, 16 * torch.finfo(getattr(p, "_row_dtype", p.dtype)).eps)
-            scale = max(float(torch.linalg.vector_norm(expected)), getattr(p, "_row_norm_sum", 0.0),
-                        whole * math.sqrt(p.numel() / numel))
-            if not err <= rtol * scale + 1e-12:
-                raise ValueError(
-                    f"Self-check failed for {self._param_name(p)!r}: the per-user gradients add up to a different "
-                    f"gradient than autograd's (relative error {err / max(scale, 1e-30):.2e}, tolerance {rtol:.1e} for "
-                    f"{p.dtype}). Training would be wrong, so it stops here. Common causes: a forward that uses a "
-                    "weight outside its module (fused or functional heads on tied embeddings, e.g. TRL's fused LM "
-                    "head); non-reentrant gradient checkpointing; several backward passes per batch; a layer that "
-                    "mixes the rows of a batch; non-finite values (NaN data) that reach several users' rows."
-                )
-        return True
+        """:func:`~trl_userdp.grad_sample.checks.check_unit_sums` on this step (refuse to train if the per-user
+        gradients do not add up to autograd's)."""
+        return check_unit_sums(self.params, self._param_name)
 
     def key_randomness(self) -> None:
         """With ``noise_seed``: seed this step's noise from ``(noise_seed, step_index())``."""
@@ -224,16 +196,19 @@ class UserDPOptimizer(DPOptimizer):
             self.generator.manual_seed(derive_seed(self.noise_seed, "noise", self.step_index()))
 
     def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
-        """Each unit's clip factor ``min(1, C / (‖g_u‖ + 1e-6))`` from its averaged gradient's norm (Opacus's)."""
+        """Each unit's clip factor ``min(1, C / (‖g_u‖ + 1e-6))`` (Opacus's).
+
+        Args:
+            norms: ``[U]``, the norms of the units' averaged gradients.
+
+        Returns:
+            ``[U]`` factors in (0, 1].
+        """
         return (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
     def clip_and_accumulate(self) -> None:
         """``p.summed_grad = Σ_u c_u g_u``: Opacus's clipping of the materialised per-unit gradients with
-        :meth:`clip_factors`, or, with ghost clipping, the hooks' sums (clipped by the same factors)."""
-        if self.hooks.ghost:
-            for p, summed in zip(self.params, self.hooks.clipped_sums(self.params)):
-                p.summed_grad = summed
-            return
+        :meth:`clip_factors`."""
         # norms in fp32 whatever the gradients' dtype (flatten(1): an empty step has 0 rows)
         norms = [torch.linalg.vector_norm(g.flatten(1), dim=-1, dtype=torch.float32) for g in self.grad_samples]
         norms = torch.stack([n.to(norms[0].device) for n in norms], dim=1).norm(2, dim=1)
@@ -249,31 +224,17 @@ class UserDPOptimizer(DPOptimizer):
             _mark_as_processed(p.grad_sample)
 
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
+        """Key this step's noise, hand Opacus the per-unit averaged gradients, then Opacus's ``pre_step`` (clip,
+        sum, noise, scale, step hook)."""
         self.key_randomness()
-        if not self.hooks.ghost:
-            for p, g in zip(self.params, self.unit_gradients()):
-                p.grad_sample = g  # the hooks' own tensor, averaged in place (a new one only for an unused parameter)
-            return super().pre_step(closure)
-        # ghost clipping: Opacus's DPOptimizer.pre_step, with the clipped sums taken from the hooks
-        self._check_backward_complete()
-        self.clip_and_accumulate()
-        if self.hooks.units_in_step > 0:
-            for p in self.params:
-                if p not in self.hooks.touched:
-                    self._check_not_bypassed(p)
-            if self.hooks.non_finite_units:
-                self._warn_non_finite()
-            elif self.self_check and self._self_check():
-                self.self_check = self.hooks.record_row_norms = False
-        if self._check_skip_next_step():
-            self._is_last_step_skipped = True
-            return False
-        self.add_noise()
-        self.scale_grad()
-        if self.step_hook:
-            self.step_hook(self)
-        self._is_last_step_skipped = False
-        return True
+        self.collect_unit_gradients()
+        return super().pre_step(closure)
+
+    def collect_unit_gradients(self) -> None:
+        """``p.grad_sample`` = each unit's averaged gradient (:meth:`unit_gradients`: the hooks' own tensors, averaged
+        in place; a new one only for an unused parameter)."""
+        for p, g in zip(self.params, self.unit_gradients()):
+            p.grad_sample = g
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Opacus's ``BatchMemoryManager`` splits a draw by rows, which cuts users apart (their clipped average needs
@@ -289,7 +250,17 @@ class UserDPOptimizer(DPOptimizer):
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One private step; it uses up the batch the loader drew, whatever happens. A physical batch that does not
-        end its draw (``UserBatchMemoryManager``) takes no step: its users' sums wait for the rest of the draw."""
+        end its draw (``UserBatchMemoryManager``) takes no step: its users' sums wait for the rest of the draw.
+
+        Args:
+            closure: as ``torch.optim.Optimizer.step``'s.
+
+        Returns:
+            The wrapped optimizer's result, or None for a skipped step.
+
+        Raises:
+            PrivacyBudgetExhausted: the step would exceed the budget (unless :attr:`skip_when_exhausted`).
+        """
         if self._step_skip_queue and self._step_skip_queue.pop(0):  # each physical batch's signal, used here once
             self._is_last_step_skipped = True
             return None
@@ -317,16 +288,66 @@ class UserDPOptimizer(DPOptimizer):
         return {}
 
     def load_privacy_state_dict(self, state: Dict[str, Any], *, accounted_steps: int, source: str = "checkpoint") -> None:
-        """Restore :meth:`privacy_state_dict`, checked against the ``accounted_steps`` of the restored accountant."""
+        """Restore :meth:`privacy_state_dict`.
+
+        Args:
+            state: the saved state.
+            accounted_steps: the steps of the restored accountant, which the state must agree with.
+            source: names the checkpoint in the messages.
+
+        Raises:
+            ValueError: a state that does not belong to this mechanism or run.
+        """
         if state:
             raise ValueError(f"{source}: privacy state {sorted(state)} does not belong to user-wise DP-SGD; refusing to "
                              "resume.")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Opacus's ``zero_grad`` and the hooks' step state, except mid-draw (a physical batch that does not end it)."""
         if self._is_last_step_skipped:  # mid-draw: the per-user sums (and autograd's) carry to the next physical batch
             return
         super().zero_grad(set_to_none)
         self.hooks.reset_step(clear_pending=False)
+
+
+class UserDPOptimizerFastGradientClipping(UserDPOptimizer, DPOptimizerFastGradientClipping):
+    """User-wise DP-SGD with per-user ghost clipping (``grad_sample_mode="ghost"``): Opacus's
+    ``DPOptimizerFastGradientClipping`` step (accumulate, noise, scale), where :meth:`accumulate` takes the sum of the
+    users' clipped averaged gradients from :class:`~trl_userdp.grad_sample.UserGhostHooks`, which clip by this
+    optimizer's :meth:`clip_factors` without materialising per-user gradients. Arguments as :class:`UserDPOptimizer`'s.
+    """
+
+    def __init__(self, optimizer: Optimizer, *, hooks: UserGradSampleHooks, **kwargs: Any):
+        super().__init__(optimizer, hooks=hooks, **kwargs)
+        hooks.clip_factors = self.clip_factors
+
+    def unit_gradients(self) -> List[torch.Tensor]:
+        """Never available: ghost clipping does not materialise per-user gradients.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError("Ghost clipping never materialises per-user gradients (grad_sample_mode='ghost'); use "
+                         "grad_sample_mode='hooks' to read them.")
+
+    def collect_unit_gradients(self) -> None:
+        """Nothing to collect: :meth:`accumulate` reads the hooks' clipped sums."""
+
+    def accumulate(self) -> None:
+        """``p.summed_grad = Σ_u c_u ḡ_u`` from the hooks (Opacus's extension point, where its ghost clipping takes
+        ``p.grad``), after the checks the materialised path makes on the per-unit gradients: every forward pass
+        backpropagated, no parameter bypassing the hooks, non-finite users reported, and the first step's self-check."""
+        self._check_backward_complete()
+        for p, summed in zip(self.params, self.hooks.clipped_sums(self.params)):
+            p.summed_grad = summed
+        if self.hooks.units_in_step > 0:
+            for p in self.params:
+                if p not in self.hooks.touched:
+                    self._check_not_bypassed(p)
+            if self.hooks.non_finite_units:
+                self._warn_non_finite()
+            elif self.self_check and self._self_check():
+                self.self_check = self.hooks.record_row_norms = False
 
 
 class DistributedUserDPOptimizer(UserDPOptimizer, DistributedDPOptimizer):
@@ -358,3 +379,8 @@ class DistributedUserDPOptimizer(UserDPOptimizer, DistributedDPOptimizer):
         if failed.item():
             raise ValueError("Another process failed this step's checks (see its error); stopping here too.")
         return result
+
+
+class DistributedUserDPOptimizerFastGradientClipping(DistributedUserDPOptimizer, UserDPOptimizerFastGradientClipping):
+    """:class:`UserDPOptimizerFastGradientClipping` across data-parallel processes, as
+    :class:`DistributedUserDPOptimizer` (users sharded by rank, rank 0's noise, one all-reduce of the clipped sums)."""

@@ -26,11 +26,17 @@ class UserDPDPOTrainer(UserDPTrainerMixin, DPOTrainer):
     config_class = UserDPDPOConfig
 
     def dp_refusals(self, args) -> List[str]:
+        """Refuses the losses of :data:`BATCH_COUPLED_LOSSES`."""
         coupled = sorted(BATCH_COUPLED_LOSSES & set(args.loss_type))
         return [f"loss_type {coupled} couples the pairs of a batch, which breaks the per-user bound of DP-SGD; use a "
                 "per-pair loss such as 'sigmoid' or 'robust'."] if coupled else []
 
     def use_label_privacy(self, args, rr) -> None:
+        """rDPO: ``loss_type="robust"`` with ``label_smoothing`` at ``rr``'s flip rate, set in ``args``.
+
+        Raises:
+            ValueError: a ``loss_type`` other than ``"sigmoid"`` or ``"robust"``.
+        """
         if set(args.loss_type) - {"sigmoid", "robust"}:
             raise ValueError("privacy_mechanism='randomized_response' trains rDPO; leave loss_type at 'sigmoid'.")
         args.loss_type, args.label_smoothing = ["robust"], rr.flip_rate

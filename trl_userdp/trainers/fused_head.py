@@ -14,7 +14,11 @@ def unfuse_lm_head(model: torch.nn.Module) -> None:
     """Replace TRL 1.16's fused LM head (which calls ``lm_head.weight`` outside the module, so per-sample
     gradients of the head are missing, or silently wrong for tied embeddings) by the model's own
     forward: the logits go through ``lm_head`` as a module and the per-token fields are computed from
-    them. Same outputs as the fused head at temperature 1, at the memory cost of full logits."""
+    them. Same outputs as the fused head at temperature 1, at the memory cost of full logits.
+
+    Args:
+        model: the causal LM, patched in place.
+    """
     own_forward = type(model).forward
 
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):

@@ -31,6 +31,7 @@ class UserDPKTOTrainer(UserDPTrainerMixin, KTOTrainer):
                                         num_items_in_batch=num_items_in_batch)
 
     def dp_refusals(self, args) -> List[str]:
+        """Refuses every loss but ``apo_zero_unpaired`` (KTO's KL baseline couples users)."""
         if args.loss_type != "apo_zero_unpaired":
             return [f"loss_type={args.loss_type!r} estimates KTO's KL baseline from other examples of the batch (other "
                     "users' completions), which breaks the per-user bound: use loss_type='apo_zero_unpaired'."]

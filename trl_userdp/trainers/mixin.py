@@ -18,14 +18,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-import datasets
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -33,11 +31,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..accountants import PrivacyReport
 from ..checkpoints import load_plain
 from ..data import check_text_columns, resolve_user_ids
-from ..mechanisms import NoPrivacy, UserRandomizedResponse, get_mechanism, mechanism_names
-from ..mechanisms.randomized_response import OUTPUT_DIR as RR_OUTPUT_DIR
+from ..mechanisms import UserRandomizedResponse, get_mechanism, mechanism_names
+from ..privacy_engine import PrivacyEngine
 from .fused_head import unfuse_lm_head
 from .model_card import PrivacyModelCardMixin
 from .privacy_config import UserDPArguments
+from .privacy_kinds import trainer_privacy
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,11 @@ DROPPED_ROWS_WARNING = 0.1
 
 
 class PrivacyBudgetCallback(TrainerCallback):
-    """Stops training before a step the budget cannot pay for, or after AUP-RLHF halts."""
+    """Stops training before a step the budget cannot pay for, or after AUP-RLHF halts.
+
+    Args:
+        trainer: the user-level DP trainer whose engine is checked.
+    """
 
     def __init__(self, trainer: "UserDPTrainerMixin"):
         self.trainer = trainer
@@ -75,9 +78,11 @@ class PrivacyBudgetCallback(TrainerCallback):
         return control
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """The same check before the first step (a resumed run may have spent its budget already)."""
         return self._check(control)
 
     def on_step_end(self, args, state, control, **kwargs):
+        """Stops before a step the budget cannot pay for, or after a halt."""
         return self._check(control)
 
 
@@ -124,7 +129,8 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         if not isinstance(config, self.config_class):
             raise ValueError(f"{type(self).__name__} needs `args={self.config_class.__name__}(...)` "
                              f"(TRL's config plus the privacy fields).")
-        if config.privacy_kind == "gradient":
+        self._privacy = trainer_privacy(config)
+        if self._privacy.gradient:
             refusals = self.dp_refusals(config)
             if refusals:
                 raise ValueError(refusals[0])
@@ -134,43 +140,36 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
 
     # -- declared by each trainer ---------------------------------------------------------------
     def dp_refusals(self, args) -> List[str]:
-        """One message per setting of ``args`` that couples users in a batch (docs/stack_findings.md)."""
+        """The settings that couple users in a batch (docs/stack_findings.md), checked for gradient mechanisms.
+
+        Args:
+            args: the trainer config.
+
+        Returns:
+            One message per such setting (none by default).
+        """
         return []
 
     def use_label_privacy(self, args, rr: UserRandomizedResponse) -> None:
-        """Adapt the loss to labels privatized by ``rr`` (called before the TRL ``__init__``)."""
+        """Adapt the loss to privatized labels (called before the TRL ``__init__``).
+
+        Args:
+            args: the trainer config (a trainer may set its loss fields).
+            rr: the randomized response the labels are privatized with.
+
+        Raises:
+            ValueError: the trainer has no de-biased loss (the default).
+        """
         raise ValueError(f"privacy_mechanism='randomized_response' has no de-biased loss for {type(self).__name__}; "
                          f"use a gradient mechanism {mechanism_names('gradient')}.")
 
     # -- set-up ---------------------------------------------------------------------------------
     def _prepare_train_dataset(self, train_dataset, args):
-        """Before the TRL trainer's ``__init__`` (which tokenizes the dataset): refuse datasets user-level
-        sampling cannot use, and for ``randomized_response`` adapt the loss (:meth:`use_label_privacy`) and flip
-        the labels, once per output directory (a resumed run reuses the saved output instead of a second,
-        unaccounted draw)."""
-        self.rr_report: Optional[PrivacyReport] = None
-        self.randomized_response: Optional[UserRandomizedResponse] = None
+        """Before the TRL trainer's ``__init__`` (which tokenizes the dataset): refuse datasets user-level sampling
+        cannot use, and what the mechanism's kind does to the data (:mod:`.privacy_kinds`; randomized response flips
+        the labels once per output directory)."""
         check_text_columns(train_dataset)
-        if args.privacy_kind == "none":
-            return train_dataset
-        if train_dataset is None or isinstance(train_dataset, (IterableDataset, datasets.IterableDataset)):
-            raise ValueError(
-                f"User-level DP needs a map-style train_dataset (a datasets.Dataset with a {args.user_column!r} "
-                f"column), got {type(train_dataset).__name__}: users are sampled from the whole dataset, and a "
-                "streamed one has no length. Load it without streaming=True."
-            )
-        if len(train_dataset) == 0:
-            raise ValueError("train_dataset is empty: there are no users to train on.")
-        if args.privacy_kind != "labels":
-            return train_dataset
-        self.randomized_response = get_mechanism(args.privacy_mechanism).label_privatizer(args)
-        self.use_label_privacy(args, self.randomized_response)
-        train_dataset, self.rr_report = self.randomized_response.privatize_once(
-            train_dataset, args.output_dir, user_column=args.user_column)
-        logger.info("Randomized response: %d labels privatized once (ε = %g per user, ε/m = %g per label), kept in %s.",
-                    len(train_dataset), args.target_epsilon, self.randomized_response.epsilon_per_label,
-                    os.path.join(args.output_dir, RR_OUTPUT_DIR))
-        return train_dataset
+        return self._privacy.prepare_dataset(self, train_dataset, args)
 
     def _init_privacy(self) -> None:
         """After the TRL trainer's ``__init__``: check the privacy fields again (they may have been changed
@@ -204,7 +203,8 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
 
     @property
     def _dp_active(self) -> bool:
-        return self.args.privacy_kind == "gradient"
+        """The optimizer steps are private (a gradient mechanism)."""
+        return self._privacy.gradient
 
     def _make_private(self) -> None:
         args = self.args
@@ -234,7 +234,14 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             grad_sample_mode=args.grad_sample_mode,
         )
         length = dict(steps=args.max_steps) if args.max_steps > 0 else dict(epochs=args.num_train_epochs)
-        engine, optimizer, loader = get_mechanism(args.privacy_mechanism).make_private(args, **common, **length)
+        mechanism = get_mechanism(args.privacy_mechanism).from_arguments(args)
+        if args.noise_multiplier is not None and mechanism.accepts_noise_multiplier:
+            common.update(noise_multiplier=args.noise_multiplier)  # a fixed σ; target_epsilon (if any) caps the run
+            if args.target_epsilon is None:
+                common.update(target_epsilon=None, target_delta=None)
+        engine = PrivacyEngine(accountant=args.accountant, neighboring_relation=args.neighboring_relation)
+        _, optimizer, loader = engine.make_private_user_level(
+            mechanism=mechanism, max_grad_norm=args.per_user_max_grad_norm, **common, **length)
         optimizer.skip_when_exhausted = True  # the budget callback then ends training cleanly
         self.privacy_engine, self.optimizer, self._private_loader = engine, optimizer, loader
         if self._restored_privacy_state is not None:
@@ -252,6 +259,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
 
     # -- Trainer extension points ---------------------------------------------------------------
     def get_train_dataloader(self):
+        """Under a gradient mechanism, the engine's user-level Poisson loader (set up on the first call)."""
         if not self._dp_active:
             return super().get_train_dataloader()
         if self.privacy_engine is None:
@@ -259,11 +267,13 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         return self._private_loader
 
     def create_optimizer(self, model=None):
+        """Under a gradient mechanism, once set up, the private optimizer itself."""
         if self._dp_active and self.privacy_engine is not None:
             return self.optimizer  # already the private optimizer
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss, after handing the batch's row -> user map to the per-user hooks."""
         row_users = inputs.pop(USER_KEY, None)
         if self._dp_active and model.training:
             if row_users is None:
@@ -276,6 +286,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's step, but no forward pass for an empty draw or a spent budget, and no raw all-reduce under DDP."""
         if self._dp_active:  # the loader yields each draw as gradient_accumulation_steps micro-batches
             self._continuation = self._draw_part > 0
             self._draw_part = (self._draw_part + 1) % self.args.gradient_accumulation_steps
@@ -299,10 +310,12 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def train(self, *args, **kwargs):
+        """TRL's training; the model then carries its privacy report, and the mean training loss is not returned."""
         output = super().train(*args, **kwargs)
-        if self.args.privacy_kind != "none":
-            if self.privacy_engine is not None or not self._dp_active:
-                self.model.privacy_report = self.privacy_report()  # what was spent, even without a final save
+        if self._privacy.private:
+            report = self._privacy.report(self)
+            if report is not None:
+                self.model.privacy_report = report  # what was spent, even without a final save
             if not self.args.log_private_metrics:  # the mean training loss is a statistic of private batches
                 output.metrics.pop("train_loss", None)
                 output = type(output)(output.global_step, float("nan"), output.metrics)
@@ -317,10 +330,11 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         return None
 
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        """TRL's log with ε and δ added, and without statistics of private batches (unless ``log_private_metrics``)."""
         logs = dict(logs)
         logs.pop("grad_norm", None)
         training = not any(k.startswith("eval_") for k in logs)
-        private = self.args.privacy_kind != "none"
+        private = self._privacy.private
         if private and not self.args.log_private_metrics:
             if training:
                 if hasattr(self, "_metrics"):
@@ -332,40 +346,35 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
                     self._metrics["eval"].pop("num_tokens", None)
         if private:
             logs["epsilon"] = self.current_epsilon()
-            logs["delta"] = self.args.target_delta if self._dp_active else 0.0
+            logs["delta"] = self._privacy.delta(self)
             if self._dp_active and self.privacy_engine is not None:
                 logs["privacy_steps"] = self.privacy_engine.accountant.steps_taken
         super().log(logs, start_time)
 
     # -- privacy state: report, checkpoints, resume --------------------------------------------
     def current_epsilon(self) -> float:
-        if self.args.privacy_kind == "labels":
-            return float(self.args.target_epsilon)
-        if self.args.privacy_kind == "none":
-            return math.inf
-        if self.privacy_engine is None:
-            return 0.0
-        return float(self.privacy_engine.get_epsilon(self.args.target_delta))
+        """ε spent so far (0 before the first private step; ∞ without privacy)."""
+        return self._privacy.epsilon(self)
 
     def privacy_report(self) -> PrivacyReport:
-        """What this run has spent so far."""
-        if self.args.privacy_kind == "labels":
-            return self.rr_report
-        if self.args.privacy_kind == "none":
-            return NoPrivacy.report(self.state.global_step)
-        if self.privacy_engine is None:
+        """What this run has spent so far.
+
+        Raises:
+            ValueError: no private step has been set up yet.
+        """
+        report = self._privacy.report(self)
+        if report is None:
             raise ValueError("No private step has been set up yet (call train()).")
-        return self.privacy_engine.privacy_report(self.args.target_delta)
+        return report
 
     def card_privacy_report(self) -> Optional[PrivacyReport]:
-        return None if self._dp_active and self.privacy_engine is None else self.privacy_report()
+        """The report the model card shows (None before a private step is set up)."""
+        return self._privacy.report(self)
 
     def _write_privacy_files(self, output_dir: str, with_state: bool) -> None:
-        if not self.is_world_process_zero():
+        report = self._privacy.report(self)
+        if not self.is_world_process_zero() or report is None:
             return
-        if self._dp_active and self.privacy_engine is None:
-            return
-        report = self.privacy_report()
         report.save(output_dir)
         self.model.privacy_report = report  # travels with the model object (e.g. into online RL)
         if with_state and self.privacy_engine is not None:
@@ -401,6 +410,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         self._write_privacy_files(checkpoint, with_state=True)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+        """TRL's save, plus ``privacy_report.json`` beside the model."""
         super().save_model(output_dir, _internal_call)
         self._write_privacy_files(output_dir or self.args.output_dir, with_state=False)
 

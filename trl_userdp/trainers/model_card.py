@@ -19,7 +19,11 @@ class PrivacyModelCardMixin:
     report (:meth:`card_privacy_report`), a "Privacy" section; ``save_model`` writes the card with the final report."""
 
     def card_privacy_report(self) -> Optional[PrivacyReport]:
-        """The report the card states (None: nothing to state yet)."""
+        """The report the card states; every trainer defines it.
+
+        Returns:
+            The :class:`~trl_userdp.PrivacyReport`, or None (nothing to state yet).
+        """
         raise NotImplementedError
 
     #: markdown naming the model the run started from, for a base that is not a hub id (the command line sets it for
@@ -29,7 +33,11 @@ class PrivacyModelCardMixin:
     def card_base_model(self) -> str:
         """What the card says the model was fine-tuned from, where TRL's card (which links hub ids only) would say
         "[None](https://huggingface.co/None)": :attr:`base_model_description`, else the local folder the model was
-        loaded from, else the architecture built from a config."""
+        loaded from, else the architecture built from a config.
+
+        Returns:
+            The markdown.
+        """
         if self.base_model_description:
             return self.base_model_description
         config = self.model.config
@@ -40,6 +48,14 @@ class PrivacyModelCardMixin:
 
     def create_model_card(self, model_name: Optional[str] = None, dataset_name: Optional[str] = None,
                           tags: Union[str, List[str], None] = None):
+        """TRL's card with :data:`TAGS`, the base model named (:meth:`card_base_model`), a quick start that loads the
+        output folder, and the "Privacy" section of :meth:`card_privacy_report`.
+
+        Args:
+            model_name: as TRL's.
+            dataset_name: as TRL's.
+            tags: further tags (one or a list), as TRL's.
+        """
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=[*tags, *TAGS])
         path = os.path.join(self.args.output_dir, "README.md")
@@ -60,6 +76,7 @@ class PrivacyModelCardMixin:
             f.write(card)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+        """TRL's save, then the card rewritten with the final report when the model is saved to ``output_dir``."""
         super().save_model(output_dir, _internal_call)
         if output_dir is None or os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
             self.create_model_card(model_name=os.path.basename(os.path.normpath(self.args.output_dir)))

@@ -22,8 +22,15 @@ from .model_card import PrivacyModelCardMixin
 
 
 def find_privacy_report(reward: Any) -> Optional[PrivacyReport]:
-    """The privacy report of a reward model: its ``privacy_report`` attribute (set by this package's
-    trainers), or ``privacy_report.json`` in the directory it was loaded from (or that a string names)."""
+    """The privacy report of a reward model (or of a starting policy).
+
+    Args:
+        reward: a model, whose ``privacy_report`` attribute (set by this package's trainers) or
+            ``privacy_report.json`` in the directory it was loaded from is read; or a string naming such a directory.
+
+    Returns:
+        The :class:`PrivacyReport`, or None if there is none (e.g. a reward function).
+    """
     report = getattr(reward, "privacy_report", None)
     if isinstance(report, PrivacyReport):
         return report
@@ -36,9 +43,28 @@ def find_privacy_report(reward: Any) -> Optional[PrivacyReport]:
 
 
 class UserDPOnlineMixin(PrivacyModelCardMixin):
-    """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`: TRL's arguments, plus the keywords
-    ``reward_model_is_public``, ``public_columns`` (dataset columns allowed besides prompts) and
-    ``allow_non_private_reward`` (see :meth:`_check_private_inputs`), checked before TRL's ``__init__``."""
+    """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`: TRL's arguments, plus three keywords,
+    checked before TRL's ``__init__`` (see :meth:`_check_private_inputs`).
+
+    Args:
+        model: the policy, as TRL's; a privacy report it carries (e.g. a private DPO model) is composed in.
+        reward_funcs: the reward model(s) or function(s), as TRL's.
+        args: TRL's config.
+        train_dataset: the public prompts.
+        eval_dataset: likewise (a dataset or a dict of them).
+        *rest: TRL's further positional arguments.
+        reward_model_is_public: declare the rewards without a report public (a rule, or a model trained on public
+            data).
+        public_columns: the dataset columns allowed (default: the prompts only).
+        allow_non_private_reward: accept a reward trained on the users without privacy and carry its ε = ∞ (a
+            non-private baseline).
+        **kwargs: TRL's further keyword arguments.
+
+    Raises:
+        ValueError: a reward without a report that is not declared public, a non-private reward without
+            ``allow_non_private_reward``, reports under different neighbouring relations, or a dataset column
+            outside ``public_columns``.
+    """
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, *rest,
                  reward_model_is_public: bool = False, public_columns=("prompt",), allow_non_private_reward: bool = False,
@@ -99,7 +125,11 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
     def carried_privacy_report(self) -> PrivacyReport:
         """The policy's guarantee: that of its starting weights and reward model(s), by post-processing (several
         private releases on the same users compose: their ε and δ add up). What one of them leaves unprotected (the
-        texts, under randomized response) stays unprotected."""
+        texts, under randomized response) stays unprotected.
+
+        Returns:
+            The composed :class:`PrivacyReport` (ε = 0 when every reward is public and the policy has no report).
+        """
         reports = self._inherited_reports()
         if not reports:
             return PrivacyReport(mechanism="post-processing of public rewards", n_users=0, max_samples_per_user=None,
@@ -121,6 +151,7 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
         )
 
     def card_privacy_report(self) -> PrivacyReport:
+        """The carried-over report (:meth:`carried_privacy_report`)."""
         return self.carried_privacy_report()
 
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
@@ -129,6 +160,7 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
         super().log({**logs, "epsilon": report.epsilon, "delta": report.delta}, start_time)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+        """TRL's save, then the carried-over report in ``privacy_report.json`` and on the model."""
         super().save_model(output_dir, _internal_call)
         if self.is_world_process_zero():
             report = self.carried_privacy_report()

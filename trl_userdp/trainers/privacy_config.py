@@ -138,11 +138,6 @@ class UserDPArguments:
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
-    @property
-    def privacy_kind(self) -> str:
-        """The kind of the chosen mechanism: "gradient", "labels" or "none"."""
-        return get_mechanism(self.privacy_mechanism).kind
-
     def _validate_privacy_fields(self) -> None:
         mechanism = get_mechanism(self.privacy_mechanism)
         if mechanism.kind == "none":

@@ -22,6 +22,7 @@ class UserDPRewardTrainer(UserDPTrainerMixin, RewardTrainer):
     _rr_loss = None
 
     def use_label_privacy(self, args, rr) -> None:
+        """The de-biased BTL loss at ``rr``'s ε/m per label, normalised."""
         self._rr_loss = RRDebiasedRewardLoss(rr.epsilon_per_label, normalize=True)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

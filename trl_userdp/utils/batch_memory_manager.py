@@ -22,7 +22,18 @@ from ..data.loader import UserDataLoader
 
 
 def take_rows(batch: Any, rows: torch.Tensor) -> Any:
-    """The rows ``rows`` (dim 0) of every tensor in a batch of tensors, tuples, lists and mappings."""
+    """Select rows (dim 0) of every tensor in a batch.
+
+    Args:
+        batch: A batch of tensors, in (nested) tuples, lists and mappings.
+        rows: The row indices (LongTensor).
+
+    Returns:
+        The batch with every tensor indexed by ``rows``, in the same structure.
+
+    Raises:
+        TypeError: If the batch holds anything else (a named tuple, a string, ...).
+    """
     if isinstance(batch, torch.Tensor):
         return batch[rows.to(batch.device)]
     if isinstance(batch, Mapping):
@@ -34,8 +45,18 @@ def take_rows(batch: Any, rows: torch.Tensor) -> Any:
 
 
 def whole_user_chunks(row_users: torch.Tensor, max_rows: int) -> List[torch.Tensor]:
-    """Row indices of consecutive physical batches, each of whole users and at most ``max_rows`` rows (the loader
-    yields a user's rows together)."""
+    """Split a draw into consecutive physical batches of whole users.
+
+    Args:
+        row_users: The user of each row ``[R]``; a user's rows are consecutive (the loader yields them together).
+        max_rows: The most rows of one physical batch.
+
+    Returns:
+        The row indices of each physical batch (one empty batch for an empty draw).
+
+    Raises:
+        ValueError: If a user has more than ``max_rows`` rows.
+    """
     if len(row_users) == 0:
         return [torch.zeros(0, dtype=torch.long)]
     starts = torch.cat([torch.tensor([0]), torch.nonzero(row_users[1:] != row_users[:-1]).flatten() + 1,
@@ -54,8 +75,16 @@ def whole_user_chunks(row_users: torch.Tensor, max_rows: int) -> List[torch.Tens
 
 
 class UserSplittingLoader:
-    """What :class:`UserBatchMemoryManager` hands to the loop: the draws of ``loader``, in physical batches of whole
-    users, with the hooks told which physical batches continue a draw."""
+    """What :class:`UserBatchMemoryManager` hands to the loop.
+
+    It yields the draws of ``loader`` in physical batches of whole users, with the hooks told which physical
+    batches continue a draw and the optimizer which ones end it.
+
+    Args:
+        loader: The user-level loader.
+        max_rows: The most rows of one physical batch.
+        optimizer: The optimizer of ``make_private_user_level``.
+    """
 
     def __init__(self, loader: UserDataLoader, max_rows: int, optimizer):
         self.loader, self.max_rows, self.optimizer = loader, max_rows, optimizer
@@ -78,9 +107,19 @@ class UserSplittingLoader:
 
 
 class UserBatchMemoryManager(BatchMemoryManager):
-    """``BatchMemoryManager(data_loader=…, max_physical_batch_size=…, optimizer=…)`` over the loader that
-    ``make_private_user_level`` returned (see the module docstring). ``max_physical_batch_size`` counts rows and must
-    be at least the largest number of rows a user has in a step (``max_samples_per_user``)."""
+    """Opacus's ``BatchMemoryManager`` over the loader that ``make_private_user_level`` returned (module docstring).
+
+    Args:
+        data_loader: The :class:`~trl_userdp.data.UserDataLoader` of ``make_private_user_level``, in one process,
+            without ``micro_batches``, ``user_key`` or ``rows_per_example > 1``.
+        max_physical_batch_size: The most rows of one physical batch; at least the largest number of rows a user
+            has in a step (``max_samples_per_user``).
+        optimizer: The optimizer of ``make_private_user_level``.
+
+    Raises:
+        ValueError: If ``data_loader`` or ``optimizer`` is not of ``make_private_user_level`` or is configured as
+            above, or ``max_physical_batch_size`` is not an integer ≥ 1 or is below ``max_samples_per_user``.
+    """
 
     def __init__(self, *, data_loader: UserDataLoader, max_physical_batch_size: int, optimizer):
         if not isinstance(data_loader, UserDataLoader):

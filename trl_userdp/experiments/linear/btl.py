@@ -14,8 +14,16 @@ import numpy as np
 
 @dataclasses.dataclass
 class BTLData:
-    """``x`` [N, d] differential features, ``y`` [N] labels in {0, 1} (1: a¹ preferred),
-    ``users`` [N] user index of each row, ``theta_star`` [d], and the bounds ``L`` (on ‖φ‖) and ``B``."""
+    """Comparisons of the linear BTL model, grouped by user.
+
+    Args:
+        x: The differential features ``φ(s, a¹) − φ(s, a⁰)`` [N, d].
+        y: The labels in {0, 1} [N] (1: a¹ preferred).
+        users: The user index of each row [N].
+        theta_star: The true parameter θ* [d].
+        L: The bound on ‖φ‖.
+        B: The bound on ‖θ*‖ (the radius of Θ_B).
+    """
 
     x: np.ndarray
     y: np.ndarray
@@ -26,12 +34,24 @@ class BTLData:
 
     @property
     def n_users(self) -> int:
+        """The number of users (largest user index + 1)."""
         return int(self.users.max()) + 1
 
 
 def project_theta(theta: np.ndarray, B: Optional[float], sum_zero: bool = True) -> np.ndarray:
-    """Euclidean projection onto Θ_B: remove the mean (the hyperplane ⟨1, θ⟩ = 0 passes through the
-    origin), then scale into the ball of radius B (centred on the origin, so the order is exact)."""
+    """Euclidean projection onto Θ_B.
+
+    Removes the mean (the hyperplane ⟨1, θ⟩ = 0 passes through the origin), then scales into the ball of
+    radius B (centred on the origin, so the order is exact).
+
+    Args:
+        theta: The point θ [d].
+        B: The radius of the ball, or None for no ball.
+        sum_zero: Whether to project onto the hyperplane ⟨1, θ⟩ = 0.
+
+    Returns:
+        The projection [d].
+    """
     if sum_zero:
         theta = theta - theta.mean()
     if B is not None:
@@ -42,7 +62,16 @@ def project_theta(theta: np.ndarray, B: Optional[float], sum_zero: bool = True) 
 
 
 def sample_theta_star(d: int, norm: float, rng: np.random.Generator) -> np.ndarray:
-    """A direction drawn from N(0, I_d), centred (⟨1, θ⟩ = 0) and scaled to ``‖θ*‖ = norm``."""
+    """A random θ*: a direction drawn from N(0, I_d), centred (⟨1, θ⟩ = 0) and scaled.
+
+    Args:
+        d: The dimension.
+        norm: The norm ‖θ*‖.
+        rng: The generator.
+
+    Returns:
+        θ* [d].
+    """
     theta = rng.standard_normal(d)
     theta -= theta.mean()
     return theta * (norm / np.linalg.norm(theta))
@@ -59,9 +88,25 @@ def generate_btl_data(
     label_noise: float = 0.0,
     seed: int = 0,
 ) -> BTLData:
-    """``n_users × samples_per_user`` comparisons. φ ~ N(0, I_d/d) clipped to norm L (so ‖φ‖ ≤ L holds
-    exactly); ``θ*`` has norm B unless given. ``label_noise`` > 0 gives each user a flip rate
-    ``ρ_u ~ Uniform(0, label_noise)`` on top of the BTL draw (heterogeneous annotators)."""
+    """``n_users × samples_per_user`` comparisons of the linear BTL model.
+
+    Args:
+        n_users: The number of users.
+        samples_per_user: Comparisons per user.
+        d: The feature dimension.
+        B: The norm of θ* when it is drawn, and the radius of Θ_B.
+        L: The bound on ‖φ‖: φ ~ N(0, I_d/d) clipped to norm L (so ‖φ‖ ≤ L holds exactly).
+        theta_star: θ* [d]; default a draw of :func:`sample_theta_star` with norm B.
+        label_noise: If > 0, each user gets a flip rate ``ρ_u ~ Uniform(0, label_noise)`` on top of the BTL
+            draw (heterogeneous annotators).
+        seed: The seed of the draws.
+
+    Returns:
+        The data, rows grouped by user.
+
+    Raises:
+        ValueError: If ``label_noise`` is not in [0, 0.5).
+    """
     if not 0 <= label_noise < 0.5:
         raise ValueError(f"label_noise must lie in [0, 0.5), got {label_noise}.")
     rng = np.random.default_rng(seed)

@@ -32,11 +32,27 @@ def fit_logistic(
     tol: float = 1e-9,
     max_iter: int = 200_000,
 ) -> np.ndarray:
-    """argmin over Θ_B of ``mean_i[softplus(x_iᵀθ) − t_i x_iᵀθ] + (l2/2)‖θ‖² + linearᵀθ``.
+    """argmin over Θ_B of ``mean_i[softplus(x_iᵀθ) − t_i x_iᵀθ] + (l2/2)‖θ‖² + linearᵀθ``, by FISTA.
 
     With targets ``t = y`` this is the BTL negative log-likelihood; with the de-biased labels of
     randomized response (targets outside [0, 1]) it is the de-biased loss, still convex (its
-    Hessian does not depend on the targets). Stops when the gradient-mapping norm is below ``tol``.
+    Hessian does not depend on the targets).
+
+    Args:
+        x: The features [n, d].
+        targets: The targets t [n].
+        B: The radius of Θ_B, or None for no ball.
+        sum_zero: Whether Θ_B lies in the hyperplane ⟨1, θ⟩ = 0.
+        l2: The ridge coefficient.
+        linear: The linear term [d] (default zero).
+        tol: Stop when the gradient-mapping norm is below this.
+        max_iter: The most iterations.
+
+    Returns:
+        The minimiser θ̂ [d].
+
+    Raises:
+        RuntimeError: If ``tol`` is not reached in ``max_iter`` iterations.
     """
     n, d = x.shape
     t = np.asarray(targets, dtype=float)
@@ -62,12 +78,36 @@ def fit_logistic(
 
 
 def mle(x: np.ndarray, y: np.ndarray, *, B: Optional[float] = None, sum_zero: bool = True) -> np.ndarray:
-    """Non-private BTL maximum-likelihood estimate (Zhu et al. 2023)."""
+    """Non-private BTL maximum-likelihood estimate (Zhu et al. 2023).
+
+    Args:
+        x: The features [n, d].
+        y: The labels in {0, 1} [n].
+        B: The radius of Θ_B, or None.
+        sum_zero: Whether Θ_B lies in the hyperplane ⟨1, θ⟩ = 0.
+
+    Returns:
+        θ̂ [d].
+
+    Raises:
+        RuntimeError: If the solver does not converge.
+    """
     return fit_logistic(x, y, B=B, sum_zero=sum_zero)
 
 
 def debiased_labels(y_tilde: np.ndarray, epsilon: float) -> np.ndarray:
-    """``ȳ = (ỹ − ρ)/(1 − 2ρ)`` with ρ = σ(−ε): unbiased for the clean label (Chowdhury et al. §2.4)."""
+    """De-biased randomized-response labels, unbiased for the clean label (Chowdhury et al. §2.4).
+
+    Args:
+        y_tilde: The RR labels ỹ in {0, 1}.
+        epsilon: The per-label ε.
+
+    Returns:
+        ``ȳ = (ỹ − ρ)/(1 − 2ρ)`` with ρ = σ(−ε).
+
+    Raises:
+        ValueError: If ``epsilon`` is not a finite number > 0.
+    """
     rho = flip_rate_from_epsilon(epsilon)
     return (np.asarray(y_tilde, dtype=float) - rho) / (1 - 2 * rho)
 
@@ -75,13 +115,37 @@ def debiased_labels(y_tilde: np.ndarray, epsilon: float) -> np.ndarray:
 def rr_debiased_mle(
     x: np.ndarray, y_tilde: np.ndarray, epsilon: float, *, B: Optional[float] = None, sum_zero: bool = True
 ) -> np.ndarray:
-    """θ̂_RR: minimiser of the de-biased loss on RR labels at per-label ε (Chowdhury et al. eq. 6;
-    its normalised form, which has the same minimiser)."""
+    """θ̂_RR: minimiser of the de-biased loss on RR labels at per-label ε (Chowdhury et al. eq. 6).
+
+    Its normalised form, which has the same minimiser.
+
+    Args:
+        x: The features [n, d].
+        y_tilde: The RR labels ỹ in {0, 1} [n].
+        epsilon: The per-label ε.
+        B: The radius of Θ_B, or None.
+        sum_zero: Whether Θ_B lies in the hyperplane ⟨1, θ⟩ = 0.
+
+    Returns:
+        θ̂_RR [d].
+
+    Raises:
+        ValueError: If ``epsilon`` is not a finite number > 0.
+        RuntimeError: If the solver does not converge.
+    """
     return fit_logistic(x, debiased_labels(y_tilde, epsilon), B=B, sum_zero=sum_zero)
 
 
 def curvature_gamma(L: float, B: float) -> float:
-    """γ = inf_{|z| ≤ 2LB} σ'(z) = 1/(2 + e^{2LB} + e^{−2LB})."""
+    """The curvature of the BTL loss on Θ_B.
+
+    Args:
+        L: The bound on ‖φ‖.
+        B: The radius of Θ_B.
+
+    Returns:
+        γ = inf_{|z| ≤ 2LB} σ'(z) = 1/(2 + e^{2LB} + e^{−2LB}).
+    """
     return 1.0 / (2 + math.exp(2 * L * B) + math.exp(-2 * L * B))
 
 
@@ -95,9 +159,26 @@ def sgd_rr(
     kappa: Optional[float] = None,
     sum_zero: bool = True,
 ) -> np.ndarray:
-    """θ̂_SGD-RR (Chowdhury et al. Alg. 1): one pass, projected, last iterate, with the proof's step
-    ``η_t = 1/(γ(2σ(ε) − 1)κ t)`` for the [A]-scaled gradient (docs/mechanisms.md, Notes on the papers; the theorem's printed
-    ``1/(γκ)`` drops the 1/t). ``kappa`` defaults to λ_min of the sample covariance of x (public)."""
+    """θ̂_SGD-RR (Chowdhury et al. Alg. 1): one pass, projected, last iterate.
+
+    The step is the proof's ``η_t = 1/(γ(2σ(ε) − 1)κ t)`` for the [A]-scaled gradient (docs/mechanisms.md,
+    Notes on the papers; the theorem's printed ``1/(γκ)`` drops the 1/t).
+
+    Args:
+        x: The features [n, d].
+        y_tilde: The RR labels ỹ in {0, 1} [n].
+        epsilon: The per-label ε.
+        L: The bound on ‖φ‖.
+        B: The radius of Θ_B.
+        kappa: κ; default λ_min of the sample covariance of x (public).
+        sum_zero: Whether Θ_B lies in the hyperplane ⟨1, θ⟩ = 0.
+
+    Returns:
+        The last iterate [d].
+
+    Raises:
+        ValueError: If ``epsilon`` is not a finite number > 0.
+    """
     check_epsilon(epsilon, "epsilon")
     s = 1.0 - flip_rate_from_epsilon(epsilon)
     if kappa is None:
@@ -112,7 +193,19 @@ def sgd_rr(
 
 
 def objective_perturbation_sigma(epsilon: float, delta: float, L: float) -> float:
-    """Noise std of objective perturbation for (ε, δ)-label-DP (Chowdhury et al. Thm 5.2), L bounding ‖φ‖."""
+    """Noise std of objective perturbation for (ε, δ)-label-DP (Chowdhury et al. Thm 5.2).
+
+    Args:
+        epsilon: The target ε.
+        delta: The target δ.
+        L: The bound on ‖φ‖.
+
+    Returns:
+        σ = L·√(8 log(2/δ) + 4ε)/ε.
+
+    Raises:
+        ValueError: If ``epsilon`` is not > 0 or ``delta`` is not in (0, 1).
+    """
     check_epsilon(epsilon, "epsilon")
     check_delta(delta, "delta")
     return L * math.sqrt(8 * math.log(2 / delta) + 4 * epsilon) / epsilon
@@ -130,8 +223,28 @@ def objective_perturbation(
     rng: np.random.Generator,
     sum_zero: bool = True,
 ) -> np.ndarray:
-    """θ̂_obj = argmin_{Θ_B} Σℓ + (β/2)‖θ‖² + wᵀθ with one draw ``w ~ N(0, σ²I)`` (central
-    label DP, Chowdhury et al. §5.2). β defaults to √n/B (their utility proof); any β > 0 is private."""
+    """θ̂_obj = argmin_{Θ_B} Σℓ + (β/2)‖θ‖² + wᵀθ with one draw ``w ~ N(0, σ²I)`` (central label DP).
+
+    Chowdhury et al. §5.2; σ from :func:`objective_perturbation_sigma`.
+
+    Args:
+        x: The features [n, d].
+        y: The labels in {0, 1} [n].
+        epsilon: The target ε.
+        delta: The target δ.
+        L: The bound on ‖φ‖.
+        B: The radius of Θ_B.
+        beta: The ridge β; default √n/B (their utility proof); any β > 0 is private.
+        rng: The generator of w.
+        sum_zero: Whether Θ_B lies in the hyperplane ⟨1, θ⟩ = 0.
+
+    Returns:
+        θ̂_obj [d].
+
+    Raises:
+        ValueError: If ``beta`` is not > 0, ``epsilon`` is not > 0 or ``delta`` is not in (0, 1).
+        RuntimeError: If the solver does not converge.
+    """
     n, d = x.shape
     beta = math.sqrt(n) / B if beta is None else beta
     if not beta > 0:

