@@ -146,3 +146,17 @@ def test_pld_only_events_refuse_the_rdp_accountant():
 def test_events_reject_bad_parameters(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_a_calibration_is_computed_once_per_process_and_is_the_same_sigma():
+    """StepEvent.calibrate keeps each setting's σ (a PLD calibration takes seconds; a trainer and its resume ask
+    twice): the kept σ is the one the calibration computes, and another setting is computed afresh."""
+    from trl_userdp.accountants.events import _calibrate
+
+    event = GroupPrivacyGaussian(3)
+    first = event.calibrate(4.0, DELTA, sample_rate=0.1, steps=20, accountant="rdp")
+    hits = _calibrate.cache_info().hits
+    assert GroupPrivacyGaussian(3).calibrate(4.0, DELTA, sample_rate=0.1, steps=20, accountant="rdp") == first
+    assert _calibrate.cache_info().hits == hits + 1
+    assert first == _calibrate.__wrapped__(event, 4.0, DELTA, 0.1, 20, "rdp", "add_or_remove", 1e-4)
+    assert event.calibrate(4.0, DELTA, sample_rate=0.1, steps=40, accountant="rdp") > first

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import dp_accounting as dpa
 from dp_accounting import pld as dpa_pld
@@ -289,10 +289,13 @@ def calibrate_noise_multiplier(
     check_delta(target_delta)
     check_accountant(accountant)
 
+    seen: Dict[float, float] = {}  # the bracket search asks for σ = 1 twice
+
     def eps(sigma: float) -> float:
-        return compute_epsilon(
-            make_event(sigma), target_delta, accountant=accountant, relation=relation, group_size=group_size, **options
-        )
+        if sigma not in seen:
+            seen[sigma] = compute_epsilon(make_event(sigma), target_delta, accountant=accountant, relation=relation,
+                                          group_size=group_size, **options)
+        return seen[sigma]
 
     lo, hi = 1.0, 1.0
     if eps(hi) > target_epsilon:

@@ -7,6 +7,7 @@ dp-accounting ``PrivacyAccountant`` (RDP or PLD); nothing here computes ε itsel
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple
@@ -303,9 +304,13 @@ class StepEvent:
         Raises:
             ValueError: As :func:`~trl_userdp.accountants.analysis.calibrate_noise_multiplier`.
         """
-        return calibrate_noise_multiplier(
-            lambda s: self(s, sample_rate, steps), target_epsilon=target_epsilon, target_delta=target_delta,
-            accountant=accountant, relation=relation, group_size=self.group_size, tol=tol, **self.accountant_options)
+        setting = (float(target_epsilon), float(target_delta), float(sample_rate), steps, accountant, relation,
+                   float(tol))
+        try:
+            hash(self)
+        except TypeError:  # an event with an unhashable field (one of a user's own): no memo
+            return _calibrate.__wrapped__(self, *setting)
+        return _calibrate(self, *setting)
 
     def to_dict(self) -> Dict[str, Any]:
         """The event's registry name and fields, as a checkpoint stores them.
@@ -376,6 +381,7 @@ class GroupPrivacyGaussian(RecordLevelEvent):
 
     @property
     def group_size(self) -> int:
+        """k = m: ε of one record is converted to k records by group privacy."""
         return self.max_samples_per_user
 
     def __call__(self, noise_multiplier, sample_rate, steps):
@@ -395,6 +401,7 @@ class ELSGaussian(RecordLevelEvent):
 
     @property
     def accountant_options(self) -> Dict[str, Any]:
+        """The PLD grid: the coarse discretization, which ELS's many-fold compositions need to stay fast."""
         return {"value_discretization_interval": COARSE_DISCRETIZATION}
 
     def __call__(self, noise_multiplier, sample_rate, steps):
@@ -426,6 +433,7 @@ class TruncatedPoissonGaussian(StepEvent):
 
     @property
     def accountant_options(self) -> Dict[str, Any]:
+        """The PLD grid: the coarse discretization (the truncated mixture has one component per user count)."""
         return {"value_discretization_interval": COARSE_DISCRETIZATION}
 
     def __call__(self, noise_multiplier, sample_rate, steps):
@@ -434,3 +442,13 @@ class TruncatedPoissonGaussian(StepEvent):
 
 
 STEP_EVENTS = {cls.name: cls for cls in (PoissonGaussian, GroupPrivacyGaussian, ELSGaussian, TruncatedPoissonGaussian)}
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrate(event: StepEvent, target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
+               accountant: str, relation: str, tol: float) -> float:
+    """:meth:`StepEvent.calibrate`, once per process for each setting: a PLD calibration takes seconds, and a trainer,
+    its resume, the engines and the CLI ask for the same one again (the event is a frozen dataclass, so it is a key)."""
+    return calibrate_noise_multiplier(
+        lambda s: event(s, sample_rate, steps), target_epsilon=target_epsilon, target_delta=target_delta,
+        accountant=accountant, relation=relation, group_size=event.group_size, tol=tol, **event.accountant_options)

@@ -117,10 +117,12 @@ class UserDataLoader(DataLoader):
 
     @property
     def users_per_batch(self) -> float:
+        """ñ, the expected users per step."""
         return self.batch_sampler.users_per_batch
 
     @property
     def n_users(self) -> int:
+        """n, the users of the (bounded) dataset."""
         return self.user_index.n_users
 
     @property
@@ -204,6 +206,7 @@ class PhasedUserDataLoader:
 
     @property
     def users_per_batch(self) -> float:
+        """The current phase's ñ."""
         return self.current.users_per_batch
 
     @property
@@ -213,6 +216,7 @@ class PhasedUserDataLoader:
 
     @property
     def last_row_users(self) -> Optional[torch.Tensor]:
+        """The row -> user map of the current phase's last batch."""
         return self.current.last_row_users
 
     def add_batch_callback(self, fn: Callable[[torch.Tensor], None]) -> None:

@@ -27,14 +27,17 @@ class UserIndex:
 
     @property
     def n_users(self) -> int:
+        """The number of distinct users."""
         return len(self.keys)
 
     @property
     def n_rows(self) -> int:
+        """The number of rows."""
         return len(self.codes)
 
     @property
     def counts(self) -> np.ndarray:
+        """Rows per user, by user code."""
         return np.bincount(self.codes, minlength=self.n_users)
 
     @classmethod

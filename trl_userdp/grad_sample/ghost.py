@@ -468,6 +468,7 @@ class UserGhostHooks(UserGradSampleHooks):
         p._unit_grad = p.grad_sample = acc
 
     def remove_hooks(self) -> None:
+        """Remove the gradient-freeing hooks and the per-sample hooks."""
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []

@@ -226,5 +226,6 @@ class UserGradSampleHooks(GradSampleHooks):
         )
 
     def remove_hooks(self) -> None:
+        """Drop the step's per-user state and remove Opacus's hooks."""
         self.reset_step()
         super().remove_hooks()

@@ -46,7 +46,14 @@ class SentimentData:
     card: Dict[str, object]
 
     def preference_rows(self, user_column: str = "user_id") -> Dict[str, list]:
-        """The private users' pairs as text columns (``chosen``, ``rejected``, the user column), as TRL takes them."""
+        """The private users' pairs as text columns, as TRL takes them.
+
+        Args:
+            user_column: the name of the user column.
+
+        Returns:
+            ``chosen``, ``rejected`` and the user column.
+        """
         return {"chosen": [self.pool[i] for i in self.pairs[:, 0]], "rejected": [self.pool[i] for i in self.pairs[:, 1]],
                 user_column: self.users.tolist()}
 

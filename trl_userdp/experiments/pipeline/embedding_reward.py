@@ -40,7 +40,14 @@ class MiniLMEncoder:
         self._cache: Dict[bytes, torch.Tensor] = {}
 
     def tokenize(self, texts: Sequence[str]) -> List[List[int]]:
-        """Token ids as TRL's ``RewardTrainer`` makes them: the text with EOS appended (unless it ends with it)."""
+        """Token ids as TRL's ``RewardTrainer`` makes them: the text with EOS appended (unless it ends with it).
+
+        Args:
+            texts: the texts.
+
+        Returns:
+            One list of token ids per text.
+        """
         eos = self.tokenizer.eos_token
         return self.tokenizer([t if t.endswith(eos) else t + eos for t in texts])["input_ids"] if texts else []
 
@@ -52,7 +59,16 @@ class MiniLMEncoder:
         """Embeddings of token-id sequences (unpadded), each computed once by the encoder. ``cache=False`` neither reads
         nor fills the cache: online RL scores that way, so a reward never depends on which texts the reward model was
         trained on (the cache holds the users' texts; a cached embedding can differ from a fresh one in the last bits,
-        its batch mates being others)."""
+        its batch mates being others).
+
+        Args:
+            sequences: token-id sequences, unpadded.
+            progress: show a progress bar.
+            cache: read and fill the cache.
+
+        Returns:
+            ``[len(sequences), hidden]`` embeddings.
+        """
         keys = [np.asarray(ids, dtype=np.int64).tobytes() for ids in sequences]
         stored = self._cache if cache else {}
         computed: Dict[bytes, torch.Tensor] = {}
@@ -136,20 +152,46 @@ class EmbeddingRewardFunction:
 
 
 def btl_margin(head: LinearRewardHead, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """r(chosen) − r(rejected) from one forward over the [chosen; rejected] rows."""
+    """r(chosen) − r(rejected) from one forward over the [chosen; rejected] rows.
+
+    Args:
+        head: the reward head.
+        chosen: ``[N, hidden]`` embeddings of the chosen texts.
+        rejected: ``[N, hidden]`` embeddings of the rejected texts.
+
+    Returns:
+        ``[N]`` margins.
+    """
     r_chosen, r_rejected = head(torch.cat([chosen, rejected])).chunk(2)
     return r_chosen - r_rejected
 
 
 def pair_correct(head: LinearRewardHead, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """Whether the head ranks each pair as the gold preference does (bool per pair)."""
+    """Whether the head ranks each pair as the gold preference does.
+
+    Args:
+        head: the reward head.
+        chosen: ``[N, hidden]`` embeddings of the preferred texts.
+        rejected: ``[N, hidden]`` embeddings of the others.
+
+    Returns:
+        ``[N]`` bools.
+    """
     with torch.no_grad():
         return btl_margin(head, chosen, rejected) > 0
 
 
 def mcnemar_p(correct: torch.Tensor, reference: torch.Tensor) -> float:
     """Two-sided exact McNemar test of two classifiers on the same pairs: under "same accuracy" each discordant pair
-    favours either with probability ½."""
+    favours either with probability ½.
+
+    Args:
+        correct: ``[N]`` bools, this classifier's hits.
+        reference: ``[N]`` bools, the reference's hits on the same pairs.
+
+    Returns:
+        The p-value (1 without discordant pairs).
+    """
     from scipy import stats
 
     only_this, only_reference = int((correct & ~reference).sum()), int((~correct & reference).sum())

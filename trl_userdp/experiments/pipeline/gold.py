@@ -39,7 +39,15 @@ class TfidfGoldReward:
     @classmethod
     def cached(cls, texts: Sequence[str], labels: np.ndarray) -> "TfidfGoldReward":
         """Fit once per machine (about 30 s), then load from ``$TRL_USERDP_CACHE``; a cache another version of
-        the package wrote (its class moved or changed) is refitted and replaced."""
+        the package wrote (its class moved or changed) is refitted and replaced.
+
+        Args:
+            texts: the labelled pool it is fitted on.
+            labels: their sentiment labels.
+
+        Returns:
+            The fitted gold reward.
+        """
         import joblib
 
         path = os.path.join(CACHE_DIR, f"gold_tfidf_{len(texts)}.joblib")
@@ -72,6 +80,19 @@ class VaderGoldReward:
 
 
 def gold_reward(kind: str, texts: List[str], labels: np.ndarray):
+    """The gold reward that scores the policies' completions.
+
+    Args:
+        kind: ``"tfidf"`` (a classifier fitted on the pool, cached) or ``"vader"`` (a lexicon).
+        texts: the labelled pool.
+        labels: its labels.
+
+    Returns:
+        A callable from texts to scores.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
     if kind == "tfidf":
         return TfidfGoldReward.cached(texts, labels)
     if kind == "vader":
