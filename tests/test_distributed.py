@@ -64,44 +64,57 @@ def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB
     return engine, model, torch.stack(updates), rows
 
 
-def _worker(rank, world, tmp, case):
+#: every two-process case, run one after another by the same two processes (a process start costs seconds); "stray"
+#: last, since it ends in an error on both ranks
+CASES = ("exact", "clip", "nan", "ghost", "noise", "stray")
+
+
+def _run_case(rank, tmp, case):
+    if case == "stray":  # only rank 1 breaks the rules: both ranks must stop with an error
+        try:
+            _train(0.0, 1.0, stray_forward=rank == 1)
+            out = {"error": None}
+        except ValueError as err:
+            out = {"error": str(err)}
+        torch.save(out, os.path.join(tmp, f"{case}{rank}.pt"))
+        return
+    engine, model, updates, rows = {
+        "exact": lambda: _train(0.0, 1e6),
+        "clip": lambda: _train(0.0, 0.01, upb=2.0),
+        "ghost": lambda: _train(0.0, 0.01, upb=2.0, grad_sample_mode="ghost"),
+        "nan": lambda: _train(0.0, 0.01, upb=2.0, fault="nan"),
+        # no sampling seed: rank 0 draws one from the OS and shares it
+        "noise": lambda: _train(2.0, 0.5, zero_loss=True, dim=(40, 50), sampling_seed=None),
+    }[case]()
+    report = engine.privacy_report(1e-5)
+    torch.save({"updates": updates, "params": [p.detach() for p in model.parameters()], "rows": rows,
+                "sampling_seed": engine.data_loader.user_sampler.seed,
+                "epsilon": engine.get_epsilon(1e-5), "report": report.to_dict(),
+                "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
+
+
+def _worker(rank, world, tmp):
     # a hang (one rank waiting in all_reduce for another that raised) fails after a minute, not CI's 90
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        if case == "stray":  # only rank 1 breaks the rules: both ranks must stop with an error
-            try:
-                _train(0.0, 1.0, stray_forward=rank == 1)
-                out = {"error": None}
-            except ValueError as err:
-                out = {"error": str(err)}
-            torch.save(out, os.path.join(tmp, f"{case}{rank}.pt"))
-            return
-        engine, model, updates, rows = {
-            "exact": lambda: _train(0.0, 1e6),
-            "clip": lambda: _train(0.0, 0.01, upb=2.0),
-            "ghost": lambda: _train(0.0, 0.01, upb=2.0, grad_sample_mode="ghost"),
-            "nan": lambda: _train(0.0, 0.01, upb=2.0, fault="nan"),
-            # no sampling seed: rank 0 draws one from the OS and shares it
-            "noise": lambda: _train(2.0, 0.5, zero_loss=True, dim=(40, 50), sampling_seed=None),
-        }[case]()
-        report = engine.privacy_report(1e-5)
-        torch.save({"updates": updates, "params": [p.detach() for p in model.parameters()], "rows": rows,
-                    "sampling_seed": engine.data_loader.user_sampler.seed,
-                    "epsilon": engine.get_epsilon(1e-5), "report": report.to_dict(),
-                    "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
+        for case in CASES:
+            _run_case(rank, tmp, case)
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(tmp_path, case):
-    mp.spawn(_worker, args=(2, str(tmp_path), case), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"{case}{r}.pt", weights_only=False) for r in range(2)]
+@pytest.fixture(scope="module")
+def ranks():
+    """Each case's result on both ranks: {case: [rank 0's, rank 1's]}."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(2, d), nprocs=2, join=True)
+        yield {case: [torch.load(Path(d) / f"{case}{r}.pt", weights_only=False) for r in range(2)] for case in CASES}
 
 
 @pytest.mark.parametrize("case,clip,upb", [("exact", 1e6, UPB), ("clip", 0.01, 2.0), ("nan", 0.01, 2.0),
                                            ("ghost", 0.01, 2.0)])
-def test_two_processes_take_the_same_steps_as_one(case, clip, upb):
+def test_two_processes_take_the_same_steps_as_one(ranks, case, clip, upb):
     """σ = 0: each rank holds its users' shard (users sharded by id, so each user's average and clip are
     exact), and the all-reduced update equals the single-process update on the same user draws — with no
     clip reached, and with every user clipped (C = 0.01) and ñ = 2, where one rank's shard is often empty.
@@ -111,8 +124,7 @@ def test_two_processes_take_the_same_steps_as_one(case, clip, upb):
     if case == "nan":  # the user is sampled in this run (the warning), and one process drops it too
         with pytest.warns(RuntimeWarning, match="not finite"):
             torch.testing.assert_close(_train(0.0, clip, upb=upb, fault="nan")[2], single, rtol=0, atol=0)
-    with tempfile.TemporaryDirectory() as d:
-        ranks = _spawn(Path(d), case)
+    ranks = ranks[case]
     for r in ranks:
         # float32 sums in another order (per rank, then all-reduced): a few ulps of the update scale C/ñ
         torch.testing.assert_close(r["updates"], single, rtol=1e-5, atol=1e-7)
@@ -124,16 +136,14 @@ def test_two_processes_take_the_same_steps_as_one(case, clip, upb):
         assert any(one_sided)  # a step where one rank had users and the other none
 
 
-def test_a_check_failing_on_one_rank_stops_every_rank_instead_of_hanging():
-    with tempfile.TemporaryDirectory() as d:
-        ranks = _spawn(Path(d), "stray")
+def test_a_check_failing_on_one_rank_stops_every_rank_instead_of_hanging(ranks):
+    ranks = ranks["stray"]
     assert "had no backward pass" in ranks[1]["error"]
     assert "Another process failed" in ranks[0]["error"]
 
 
-def test_two_processes_add_one_noise_draw_and_account_like_one():
-    with tempfile.TemporaryDirectory() as d:
-        ranks = _spawn(Path(d), "noise")
+def test_two_processes_add_one_noise_draw_and_account_like_one(ranks):
+    ranks = ranks["noise"]
     torch.testing.assert_close(ranks[0]["updates"], ranks[1]["updates"], rtol=0, atol=0)  # same noise on both
     assert ranks[0]["sampling_seed"] == ranks[1]["sampling_seed"] is not None  # same users drawn on both ranks
     noise = ranks[0]["updates"].double().flatten()

@@ -144,3 +144,33 @@ def test_calibration_says_when_the_budget_is_too_small():
 def test_compute_epsilon_rejects_bad_delta(delta):
     with pytest.raises(ValueError, match="delta"):
         compute_epsilon(poisson_gaussian_event(1.0, 0.02, 10), delta)
+
+
+def test_a_calibration_computes_each_epsilon_once_and_finds_dp_accountings_sigma():
+    """dp-accounting's Brent search asks again for the ε of the bracket's ends: the calibration computes each once
+    (a PLD ε takes about a second), and finds the σ that dp-accounting's search on plain accountants finds."""
+    import dp_accounting as dpa
+
+    from trl_userdp.accountants import analysis
+
+    def make_event(sigma):
+        return dpa.SelfComposedDpEvent(poisson_gaussian_event(sigma, 1.0, 1), 20)
+
+    computed = []
+
+    class Counting(dpa.rdp.RdpAccountant):
+        def get_epsilon(self, target_delta):
+            computed.append(repr(self.ledger))
+            return super().get_epsilon(target_delta)
+
+    original = analysis.make_accountant
+    try:
+        analysis.make_accountant = lambda *a, **k: Counting(orders=RDP_ORDERS)
+        sigma = calibrate_noise_multiplier(make_event, target_epsilon=4.0, target_delta=1e-5, accountant="rdp")
+    finally:
+        analysis.make_accountant = original
+    assert len(computed) == len(set(computed)) > 3  # no ε twice
+    lo = 2.0 ** math.floor(math.log2(sigma))  # the bracket found by doubling from σ = 1
+    plain = dpa.calibrate_dp_mechanism(lambda: dpa.rdp.RdpAccountant(orders=RDP_ORDERS), make_event, 4.0, 1e-5,
+                                       bracket_interval=dpa.ExplicitBracketInterval(lo, 2 * lo), tol=1e-4)
+    assert sigma == plain

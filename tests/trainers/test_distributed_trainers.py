@@ -34,51 +34,77 @@ def _run(kind: str, out: str, **settings):
     return trainer
 
 
-def _worker(rank: int, world: int, port: int, out: str, kind: str, settings: dict, fail_on_rank: int):
+def _inject_a_failing_check() -> None:
+    from trl_userdp.optimizers import UserDPOptimizer
+
+    def failing_check(self):
+        raise ValueError("Self-check failed (injected on one rank)")
+
+    UserDPOptimizer._self_check = failing_check
+
+
+def _worker(rank: int, world: int, port: int, jobs: list):
+    """Runs ``jobs`` ((output folder, kind, settings, rank to fail on)) one after another in this rank's process,
+    saving each result as ``rank<r>.pt`` in its folder."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    if rank == fail_on_rank:
-        from trl_userdp.optimizers import UserDPOptimizer
-
-        def failing_check(self):
-            raise ValueError("Self-check failed (injected on one rank)")
-
-        UserDPOptimizer._self_check = failing_check
-    result = {}
-    try:
-        trainer = _run(kind, out, **settings)
-        engine = trainer.privacy_engine
-        result = {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-                  "history": engine.accountant.history, "world_size": torch.distributed.get_world_size(),
-                  "ddp": type(trainer.model_wrapped).__name__, "steps": trainer.state.global_step}
-    except Exception as err:  # noqa: BLE001 - the test asserts on it
-        result = {"error": f"{type(err).__name__}: {err}"}
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    for out, kind, settings, fail_on_rank in jobs:
+        if rank == fail_on_rank:
+            _inject_a_failing_check()
+        try:
+            trainer = _run(kind, out, **settings)
+            engine = trainer.privacy_engine
+            result = {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+                      "history": engine.accountant.history, "world_size": torch.distributed.get_world_size(),
+                      "ddp": type(trainer.model_wrapped).__name__, "steps": trainer.state.global_step}
+        except Exception as err:  # noqa: BLE001 - the test asserts on it
+            result = {"error": f"{type(err).__name__}: {err}"}
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        if torch.distributed.is_initialized():  # both ranks have saved before the next job (or gloo's teardown)
+            torch.distributed.barrier()
     if torch.distributed.is_initialized():  # a rank that tears gloo down while another still saves aborts (SIGABRT)
-        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
-def _two_processes(tmp_path, kind, name="dist", fail_on_rank=-1, **settings):
-    out = str(tmp_path / name)
-    os.makedirs(out, exist_ok=True)
-    settings = {"ddp_timeout": 120, **settings}  # a rank waiting for another fails in two minutes, not CI's 90
-    mp.spawn(_worker, args=(2, _free_port(), out, kind, settings, fail_on_rank), nprocs=2, join=True)
-    return out, [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+def _two_processes(root, kind, jobs):
+    """Each job (name, settings, rank to fail on; that rank's check fails from then on) on the same two processes, in
+    order (a process start costs seconds). Returns {name: (output folder, [rank 0's result, rank 1's])}."""
+    spec = []
+    for name, settings, fail_on_rank in jobs:
+        out = os.path.join(str(root), name)
+        os.makedirs(out, exist_ok=True)
+        # a rank waiting for another fails in two minutes, not CI's 90
+        spec.append((out, kind, {"ddp_timeout": 120, **settings}, fail_on_rank))
+    mp.spawn(_worker, args=(2, _free_port(), spec), nprocs=2, join=True)
+    return {name: (out, [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)])
+            for (name, _, _), (out, *_) in zip(jobs, spec)}
 
 
 #: the DPO variants run with `-m slow` (the default run keeps the reward ones, within CI's 10-minute budget)
 REWARD_THEN_SLOW_DPO = ["reward", pytest.param("dpo", marks=pytest.mark.slow)]
+STEPS_EXACT = dict(steps=4, **EXACT)  # 8 users, ñ = 4: some steps leave one process without users
+NOISY = dict(steps=2, target_epsilon=3.0, accountant="rdp")  # RDP calibrates σ in a fraction of PLD's time
+SIGMA, CLIP, N_TILDE = 10.0, 0.1, 4.0
+ONE_NOISY_STEP = dict(steps=1, noise_multiplier=SIGMA, target_epsilon=None, per_user_max_grad_norm=CLIP, optim="sgd",
+                      learning_rate=1.0)
 
 
-@pytest.mark.parametrize("kind", REWARD_THEN_SLOW_DPO)
-def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(tmp_path, kind):
-    settings = dict(steps=4, **EXACT)  # 8 users, ñ = 4: some steps leave one process without users
-    out, ranks = _two_processes(tmp_path, kind, **settings)
+@pytest.fixture(scope="module", params=REWARD_THEN_SLOW_DPO)
+def runs(request, tmp_path_factory):
+    """The kind, and every two-process run of this file for it, on one pair of processes: the failing check last."""
+    kind = request.param
+    jobs = [("dist", STEPS_EXACT, -1), ("dist_eps", NOISY, -1), ("noise", ONE_NOISY_STEP, -1),
+            ("refuse", dict(steps=1, privacy_mechanism="user_dpsgd_adaptive"), -1), ("fail", dict(steps=2, **EXACT), 1)]
+    return kind, _two_processes(tmp_path_factory.mktemp(f"dist_{kind}"), kind, jobs)
+
+
+def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(runs, tmp_path):
+    kind, runs = runs
+    _, ranks = runs["dist"]
     assert all("error" not in r for r in ranks), ranks
     assert {r["world_size"] for r in ranks} == {2} and ranks[0]["ddp"] == "DistributedDataParallel"
-    single = _run(kind, str(tmp_path / "single"), **settings)
+    single = _run(kind, str(tmp_path / "single"), **STEPS_EXACT)
     expected = {k: v.detach() for k, v in single.model.state_dict().items()}
     assert ranks[0]["history"] == ranks[1]["history"] == single.privacy_engine.accountant.history
     assert ranks[0]["steps"] == single.state.global_step == 4
@@ -89,58 +115,57 @@ def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(tmp_pa
     if kind == "reward":
         fresh = tiny_reward_model(tokenizer).state_dict()
         assert any(not torch.equal(fresh[k], v) for k, v in expected.items())  # the steps moved it
-    noisy = dict(steps=2, target_epsilon=3.0, accountant="rdp")  # RDP calibrates σ in a fraction of PLD's time
-    out, ranks = _two_processes(tmp_path, kind, name="dist_eps", **noisy)
-    single = _run(kind, str(tmp_path / "single_eps"), **noisy)
+    out, ranks = runs["dist_eps"]
+    single = _run(kind, str(tmp_path / "single_eps"), **NOISY)
     assert PrivacyReport.load(out).epsilon == pytest.approx(single.privacy_report().epsilon, rel=1e-12)
     assert PrivacyReport.load(out).extra["world_size"] == 2
     for name in ranks[0]["params"]:
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
 
 
-@pytest.mark.parametrize("kind", REWARD_THEN_SLOW_DPO)
-def test_one_noise_draw_across_processes(tmp_path, kind):
+def test_one_noise_draw_across_processes(runs):
     """One step, σ = 10: the update is noise of std σC/ñ per coordinate (the clipped users' sum, ≤ 2C in norm, is
     negligible against the noise's norm σC/ñ·√n); a draw per rank would double the variance."""
-    sigma, clip, n_tilde = 10.0, 0.1, 4.0
-    out, ranks = _two_processes(tmp_path, kind, steps=1, noise_multiplier=sigma, target_epsilon=None,
-                                per_user_max_grad_norm=clip, optim="sgd", learning_rate=1.0)
+    kind, runs = runs
+    _, ranks = runs["noise"]
     assert all("error" not in r for r in ranks), ranks
     tokenizer = tiny_tokenizer()
     start = (tiny_reward_model(tokenizer) if kind == "reward" else tiny_llama_lm(len(tokenizer))).state_dict()
     update = torch.cat([(start[k] - v).flatten() for k, v in ranks[0]["params"].items()]).double()
     n = update.numel()
-    expected_var = (sigma * clip / n_tilde) ** 2
+    expected_var = (SIGMA * CLIP / N_TILDE) ** 2
     stat = (n - 1) * float(update.var()) / expected_var
     lo, hi = stats.chi2.interval(0.999, n - 1)
     assert lo <= stat <= hi, (float(update.var()), expected_var)  # the signal's share of the variance is < 1e-4
 
 
-@pytest.mark.parametrize("kind", REWARD_THEN_SLOW_DPO)
-def test_a_failing_check_on_one_rank_stops_both(tmp_path, kind):
-    out, ranks = _two_processes(tmp_path, kind, fail_on_rank=1, steps=2, **EXACT)
+def test_a_failing_check_on_one_rank_stops_both(runs):
+    _, runs = runs
+    out, ranks = runs["fail"]
     assert "injected on one rank" in ranks[1]["error"]
     assert "Another process failed this step's checks" in ranks[0]["error"]
+    assert not os.path.isfile(os.path.join(out, "privacy_report.json"))
+
+
+def test_single_process_mechanisms_refuse_several_processes_before_training(runs):
+    _, runs = runs
+    out, ranks = runs["refuse"]
+    for r in ranks:
+        assert "'user_dpsgd_adaptive' runs in one process" in r["error"]
     assert not os.path.isfile(os.path.join(out, "privacy_report.json"))
 
 
 @pytest.mark.slow
 def test_a_resumed_two_process_run_continues_epsilon(tmp_path):
     noisy = dict(steps=4, target_epsilon=3.0, save_strategy="steps", save_steps=2)
-    out, straight = _two_processes(tmp_path, "reward", name="run", **noisy)
+    out, straight = _two_processes(tmp_path, "reward", [("run", noisy, -1)])["run"]
     assert all("error" not in r for r in straight), straight
     epsilon = PrivacyReport.load(out).epsilon
     checkpoint = os.path.join(out, "checkpoint-2")
-    out, resumed = _two_processes(tmp_path, "reward", name="resumed", resume_from_checkpoint=checkpoint, **noisy)
+    out, resumed = _two_processes(tmp_path, "reward", [("resumed", dict(resume_from_checkpoint=checkpoint, **noisy),
+                                                            -1)])["resumed"]
     assert all("error" not in r for r in resumed), resumed
     assert resumed[0]["history"] == straight[0]["history"] and sum(n for *_, n in resumed[0]["history"]) == 4
     assert PrivacyReport.load(out).epsilon == pytest.approx(epsilon, rel=1e-12)
     for name, value in straight[0]["params"].items():  # the noise continues, keyed by (seed, step)
         torch.testing.assert_close(resumed[0]["params"][name], value, atol=1e-6, rtol=1e-5, msg=name)
-
-
-def test_single_process_mechanisms_refuse_several_processes_before_training(tmp_path):
-    out, ranks = _two_processes(tmp_path, "reward", steps=1, privacy_mechanism="user_dpsgd_adaptive")
-    for r in ranks:
-        assert "'user_dpsgd_adaptive' runs in one process" in r["error"]
-    assert not os.path.isfile(os.path.join(out, "privacy_report.json"))

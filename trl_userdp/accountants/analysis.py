@@ -248,6 +248,50 @@ def compute_delta(
     return float(_compose(event, accountant, relation, group_size, **options).get_delta(epsilon))
 
 
+class _RememberingAccountant(dpa.PrivacyAccountant):
+    """A fresh dp-accounting accountant of ``make()`` whose ε at δ is computed once per composed event, in ``memo``:
+    dp-accounting's Brent search (``calibrate_dp_mechanism``) asks again for the ε of the bracket's ends, which the
+    bracket search has just computed, and each PLD ε takes about a second.
+
+    Args:
+        make: returns the fresh accountant that computes.
+        memo: ``(repr(event), δ) -> ε``, shared by the accountants of one calibration.
+    """
+
+    def __init__(self, make: Callable[[], dpa.PrivacyAccountant], memo: Dict[Tuple[str, float], float]):
+        self._make, self._memo = make, memo
+        self._probe = make()
+        super().__init__(self._probe.neighboring_relation)
+
+    def _maybe_compose(self, event, count, do_compose):
+        return self._probe._maybe_compose(event, count, False)  # composed by get_epsilon, from the ledger
+
+    def get_epsilon(self, target_delta: float) -> float:
+        """ε at ``target_delta`` of the events composed so far (from ``memo`` when known).
+
+        Args:
+            target_delta: δ.
+
+        Returns:
+            ε, as the accountant of ``make()`` computes it.
+        """
+        key = (repr(self.ledger), float(target_delta))
+        if key not in self._memo:
+            self._memo[key] = self._make().compose(self.ledger).get_epsilon(target_delta)
+        return self._memo[key]
+
+    def get_delta(self, target_epsilon: float) -> float:
+        """δ at ``target_epsilon`` of the events composed so far.
+
+        Args:
+            target_epsilon: ε.
+
+        Returns:
+            δ, as the accountant of ``make()`` computes it.
+        """
+        return self._make().compose(self.ledger).get_delta(target_epsilon)
+
+
 def calibrate_noise_multiplier(
     make_event: Callable[[float], dpa.DpEvent],
     *,
@@ -289,13 +333,16 @@ def calibrate_noise_multiplier(
     check_delta(target_delta)
     check_accountant(accountant)
 
-    seen: Dict[float, float] = {}  # the bracket search asks for σ = 1 twice
+    memo: Dict[Tuple[str, float], float] = {}
+
+    def fresh() -> _RememberingAccountant:
+        return _RememberingAccountant(lambda: make_accountant(accountant, relation, group_size, **options), memo)
 
     def eps(sigma: float) -> float:
-        if sigma not in seen:
-            seen[sigma] = compute_epsilon(make_event(sigma), target_delta, accountant=accountant, relation=relation,
-                                          group_size=group_size, **options)
-        return seen[sigma]
+        event, probe = make_event(sigma), fresh()
+        if not probe.supports(event):
+            _compose(event, accountant, relation, group_size, **options)  # raises with the reason and a hint
+        return probe.compose(event).get_epsilon(target_delta)
 
     lo, hi = 1.0, 1.0
     if eps(hi) > target_epsilon:
@@ -315,7 +362,7 @@ def calibrate_noise_multiplier(
                     "the budget does not constrain training; choose a smaller target_epsilon or more steps."
                 )
     sigma = dpa.calibrate_dp_mechanism(
-        lambda: make_accountant(accountant, relation, group_size, **options),
+        fresh,
         make_event,
         target_epsilon,
         target_delta,
