@@ -1,9 +1,10 @@
-"""Shared set-up for engine tests: a private reward model on user-grouped preference pairs."""
+"""Shared set-up for engine tests: the linear task and its private Linear(5, 1), and a private reward model on
+user-grouped preference pairs."""
 
 import copy
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 from trl.trainer.reward_trainer import DataCollatorForPreference
 
 import trl_userdp
@@ -77,3 +78,29 @@ def assert_same_gradient(got: dict, expected: dict, rtol=1e-5):
     for n in expected:
         err = float(torch.linalg.vector_norm(got[n] - expected[n]))
         assert err <= rtol * max(float(torch.linalg.vector_norm(expected[n])), scale * 1e-2), (n, err)
+
+
+def linear_task(n=200, n_users=30, seed=0):
+    """The engine tests' task: ``n`` rows of 5 features labelled by the first one's sign, row i written by user
+    ``i % n_users``. Returns ``(TensorDataset(x, y), user_ids)``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g)
+    y = (x[:, 0] > 0).float()
+    return TensorDataset(x, y), [i % n_users for i in range(n)]
+
+
+def linear_loss(out, target):
+    """Binary cross-entropy of a ``[N, 1]`` logit against ``[N]`` labels (the mean over rows)."""
+    return torch.nn.functional.binary_cross_entropy_with_logits(out.squeeze(-1), target)
+
+
+def private_linear(n=200, n_users=30, lr=0.1, accountant="rdp", max_grad_norm=1.0, **kwargs):
+    """(engine, model, optimizer, loader): a private Linear(5, 1) on :func:`linear_task`."""
+    dataset, user_ids = linear_task(n=n, n_users=n_users)
+    model = torch.nn.Linear(5, 1)
+    engine = trl_userdp.PrivacyEngine(accountant=accountant)
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data_loader=DataLoader(dataset),
+        max_grad_norm=max_grad_norm, user_ids=user_ids, **kwargs,
+    )
+    return engine, model, optimizer, loader

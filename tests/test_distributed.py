@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import trl_userdp
 from trl_userdp.accountants.analysis import RDP_ORDERS
 
-from .test_privacy_engine import _linear_task
+from .helpers import linear_task
 
 N_USERS, UPB = 30, 6.0
 STEPS = 5  # one pass over the loader: round(1/q) = round(30/6) steps
@@ -31,7 +31,7 @@ def _train(noise_multiplier, max_grad_norm, zero_loss=False, dim=(5, 1), upb=UPB
     (``"zero"``: the same users with an exactly zero gradient); some of them are sampled in any draw of 15 steps."""
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)  # different inits: the engine syncs them
     model = torch.nn.Linear(*dim)
-    dataset, ids = _linear_task(n_users=N_USERS)
+    dataset, ids = linear_task(n_users=N_USERS)
     if dim[0] != 5:
         dataset = TensorDataset(torch.randn(200, dim[0], generator=torch.Generator().manual_seed(1)), dataset.tensors[1])
     x, y = dataset.tensors
@@ -165,7 +165,7 @@ def test_a_ddp_wrapper_is_refused_with_the_fix(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(5, 1))
-        dataset, ids = _linear_task(n_users=N_USERS)
+        dataset, ids = linear_task(n_users=N_USERS)
         with pytest.raises(ValueError, match="not a DistributedDataParallel wrapper"):
             trl_userdp.PrivacyEngine().make_private_user_level(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),

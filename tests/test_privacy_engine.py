@@ -13,35 +13,12 @@ import trl_userdp
 from trl_userdp.accountants.analysis import RDP_ORDERS
 from trl_userdp.mechanisms import GroupPrivacy
 
-from .helpers import make_private
+from .helpers import linear_loss, linear_task, make_private, private_linear
 from .tiny_models import MODELS, btl_pair_losses, preference_dataset
 
 
-def _linear_task(n=200, n_users=30, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 5, generator=g)
-    y = (x[:, 0] > 0).float()
-    return TensorDataset(x, y), [i % n_users for i in range(n)]
-
-
-def _loss(out, target):
-    return torch.nn.functional.binary_cross_entropy_with_logits(out.squeeze(-1), target)
-
-
-def _private_linear(n=200, n_users=30, lr=0.1, accountant="rdp", max_grad_norm=1.0, **kwargs):
-    """(engine, model, optimizer, loader): a private Linear(5, 1) on :func:`_linear_task`."""
-    dataset, user_ids = _linear_task(n=n, n_users=n_users)
-    model = torch.nn.Linear(5, 1)
-    engine = trl_userdp.PrivacyEngine(accountant=accountant)
-    model, optimizer, loader = engine.make_private_user_level(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data_loader=DataLoader(dataset),
-        max_grad_norm=max_grad_norm, user_ids=user_ids, **kwargs,
-    )
-    return engine, model, optimizer, loader
-
-
 def test_the_intended_use_works_as_written():
-    dataset, user_ids = _linear_task()
+    dataset, user_ids = linear_task()
     model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = trl_userdp.PrivacyEngine(accountant="rdp")
@@ -51,7 +28,7 @@ def test_the_intended_use_works_as_written():
     )
     assert returned is model and callable(returned)
     for batch in loader:
-        optimizer.zero_grad(); _loss(model(batch[0]), batch[1]).backward(); optimizer.step()  # noqa: E702
+        optimizer.zero_grad(); linear_loss(model(batch[0]), batch[1]).backward(); optimizer.step()  # noqa: E702
     eps = engine.get_epsilon(1e-5)
     assert 0 < eps < float("inf")
     assert optimizer.expected_batch_size == 8.0 and isinstance(optimizer, trl_userdp.UserDPOptimizer)
@@ -59,12 +36,12 @@ def test_the_intended_use_works_as_written():
 
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
 def test_get_epsilon_equals_an_independent_dp_accounting_computation(kind):
-    engine, model, optimizer, loader = _private_linear(
+    engine, model, optimizer, loader = private_linear(
         accountant=kind, noise_multiplier=0.9, max_samples_per_user=5, users_per_batch=6, sampling_seed=1)
     steps = 0
     for _ in range(2):
         for x, y in loader:
-            optimizer.zero_grad(); _loss(model(x), y).backward(); optimizer.step(); steps += 1  # noqa: E702
+            optimizer.zero_grad(); linear_loss(model(x), y).backward(); optimizer.step(); steps += 1  # noqa: E702
     q = 6 / 30
     event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(0.9)), steps)
     independent = (rdp.RdpAccountant(orders=RDP_ORDERS) if kind == "rdp" else pld.PLDAccountant()).compose(event)
@@ -77,7 +54,7 @@ def test_get_epsilon_equals_an_independent_dp_accounting_computation(kind):
 
 
 def test_empty_steps_add_noise_and_are_counted_with_or_without_backward():
-    engine, model, optimizer, loader = _private_linear(
+    engine, model, optimizer, loader = private_linear(
         n=40, n_users=20, lr=1.0, noise_multiplier=1.0, max_samples_per_user=2, users_per_batch=0.5, sampling_seed=0,
         noise_generator=torch.Generator().manual_seed(0))
     empty_seen = 0
@@ -88,9 +65,9 @@ def test_empty_steps_add_noise_and_are_counted_with_or_without_backward():
             assert x.shape == (0, 5) and y.shape == (0,)
             empty_seen += 1
             if empty_seen % 2:
-                _loss(model(x), y).backward()  # NaN mean loss, zero-row per-sample gradients
+                linear_loss(model(x), y).backward()  # NaN mean loss, zero-row per-sample gradients
         else:
-            _loss(model(x), y).backward()
+            linear_loss(model(x), y).backward()
         optimizer.step()
         assert not torch.equal(before, model.weight.detach())  # noise moved the weights
         assert torch.isfinite(model.weight).all()
@@ -99,13 +76,13 @@ def test_empty_steps_add_noise_and_are_counted_with_or_without_backward():
 
 
 def test_target_epsilon_calibrates_and_the_budget_guard_stops_at_the_plan():
-    engine, model, optimizer, loader = _private_linear(
+    engine, model, optimizer, loader = private_linear(
         target_epsilon=3.0, target_delta=1e-5, steps=12, max_samples_per_user=5, users_per_batch=6)
     taken = 0
     with pytest.raises(trl_userdp.PrivacyBudgetExhausted):
         for _ in range(5):
             for x, y in loader:
-                optimizer.zero_grad(); _loss(model(x), y).backward(); optimizer.step(); taken += 1  # noqa: E702
+                optimizer.zero_grad(); linear_loss(model(x), y).backward(); optimizer.step(); taken += 1  # noqa: E702
     assert taken == 12
     assert 2.97 <= engine.get_epsilon(1e-5) <= 3.0
 
@@ -114,13 +91,13 @@ def test_the_epsilon_entry_point_calibrates_as_the_sigma_one_does_with_a_target_
     """make_private_user_level_with_epsilon (as Opacus's make_private_with_epsilon) is the ε-targeted entry; its σ is
     the smallest one within the target over the plan, the same the σ entry calibrates from a target alone."""
     plan = dict(target_epsilon=3.0, target_delta=1e-5, steps=12, max_samples_per_user=5, users_per_batch=6)
-    dataset, user_ids = _linear_task()
+    dataset, user_ids = linear_task()
     model = torch.nn.Linear(5, 1)
     engine = trl_userdp.PrivacyEngine(accountant="rdp")
     _, optimizer, loader = engine.make_private_user_level_with_epsilon(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
         max_grad_norm=1.0, user_ids=user_ids, **plan)
-    reference, _, reference_optimizer, _ = _private_linear(**plan)
+    reference, _, reference_optimizer, _ = private_linear(**plan)
     sigma = optimizer.noise_multiplier
     assert sigma == reference_optimizer.noise_multiplier and engine.budget == (3.0, 1e-5) and engine.planned_steps == 12
     q = 6 / 30
@@ -140,13 +117,13 @@ def test_micro_batches_of_one_draw_give_the_one_batch_update(clip, mode):
     results = []
     for k in (1, 3):
         torch.manual_seed(0)
-        engine, model, optimizer, loader = _private_linear(
+        engine, model, optimizer, loader = private_linear(
             noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6, sampling_seed=3, noise_seed=4,
             micro_batches=k, lr=0.5, max_grad_norm=clip, grad_sample_mode=mode)
         assert len(loader) == k * 5
         for i, (x, y) in enumerate(loader):
             if len(x):
-                _loss(model(x), y).backward()
+                linear_loss(model(x), y).backward()
             if i % k == k - 1:
                 optimizer.step()
                 optimizer.zero_grad()
@@ -158,23 +135,23 @@ def test_micro_batches_of_one_draw_give_the_one_batch_update(clip, mode):
 
 def test_a_plan_in_epochs_is_exactly_that_many_passes_over_the_loader():
     """q = 6/26 is not 1/k: a pass is round(1/q) = 4 steps, so 5 epochs are 20 steps, all affordable."""
-    engine, model, optimizer, loader = _private_linear(
+    engine, model, optimizer, loader = private_linear(
         n_users=26, target_epsilon=3.0, target_delta=1e-5, epochs=5, max_samples_per_user=8, users_per_batch=6)
     for _ in range(5):
         for x, y in loader:
-            optimizer.zero_grad(); _loss(model(x), y).backward(); optimizer.step()  # noqa: E702
+            optimizer.zero_grad(); linear_loss(model(x), y).backward(); optimizer.step()  # noqa: E702
     assert len(loader) == 4 and engine.planned_steps == engine.accountant.steps_taken == 20
     assert not engine.budget_allows_step()
 
 
 def test_a_fixed_sigma_with_a_target_trains_until_the_budget_is_spent():
-    engine, model, optimizer, loader = _private_linear(
+    engine, model, optimizer, loader = private_linear(
         noise_multiplier=1.0, target_epsilon=2.0, target_delta=1e-5, max_samples_per_user=5, users_per_batch=6)
     taken = 0
     with pytest.raises(trl_userdp.PrivacyBudgetExhausted):
         for _ in range(100):
             for x, y in loader:
-                optimizer.zero_grad(); _loss(model(x), y).backward(); optimizer.step(); taken += 1  # noqa: E702
+                optimizer.zero_grad(); linear_loss(model(x), y).backward(); optimizer.step(); taken += 1  # noqa: E702
     q = 6 / 30
     independent = rdp.RdpAccountant(orders=RDP_ORDERS)
     assert engine.get_epsilon(1e-5) <= 2.0
@@ -220,7 +197,7 @@ def test_non_reentrant_gradient_checkpointing_is_rejected_before_training():
 
 def test_modules_opacus_cannot_sample_are_rejected_with_the_fix():
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
-    dataset, user_ids = _linear_task()
+    dataset, user_ids = linear_task()
     with pytest.raises(ValueError, match=r"ModuleValidator.fix"):
         trl_userdp.PrivacyEngine().make_private_user_level(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
@@ -256,8 +233,8 @@ class _FusedTiedHead(torch.nn.Module):
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 @pytest.mark.parametrize("model,match", [(_FusedHead, "bypassed the hooks"), (_FusedTiedHead, "Self-check failed")])
 def test_wrong_per_sample_gradients_refuse_to_train(model, match, mode):
-    model, loss = model(), _loss
-    dataset, user_ids = _linear_task()
+    model, loss = model(), linear_loss
+    dataset, user_ids = linear_task()
     engine = trl_userdp.PrivacyEngine()
     model, optimizer, loader = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
@@ -292,7 +269,7 @@ def test_wrong_per_sample_gradients_refuse_to_train(model, match, mode):
     ],
 )
 def test_bad_input_raises_before_training(kwargs, match):
-    dataset, user_ids = _linear_task()
+    dataset, user_ids = linear_task()
     model = torch.nn.Linear(5, 1)
     args = dict(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from .test_privacy_engine import _linear_task, _loss
+from .helpers import linear_loss, linear_task
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
@@ -39,13 +39,13 @@ def _cap_steps(code: str) -> str:
 
 def _linear_names():
     """The engine tests' linear task with 100 users (AUP's snippet draws 50 a step): model, optimizer, data, users."""
-    dataset, user_ids = _linear_task(n_users=100)
+    dataset, user_ids = linear_task(n_users=100)
     model = torch.nn.Linear(5, 1)
     return dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset, user_ids=user_ids)
 
 
 def _torch_loop():
-    return dict(_linear_names(), loss_fn=_loss)
+    return dict(_linear_names(), loss_fn=linear_loss)
 
 
 def _aup():

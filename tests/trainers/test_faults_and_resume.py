@@ -213,9 +213,9 @@ def test_a_planted_payload_in_the_privacy_state_never_runs(tmp_path):
 def test_opacus_style_engine_checkpoints_load_as_data_only(tmp_path):
     import trl_userdp
 
-    from ..test_privacy_engine import _private_linear
+    from ..helpers import private_linear
 
-    engine, model, optimizer, _ = _private_linear(noise_multiplier=1.0, max_samples_per_user=10, users_per_batch=6)
+    engine, model, optimizer, _ = private_linear(noise_multiplier=1.0, max_samples_per_user=10, users_per_batch=6)
     path = str(tmp_path / "ckpt.pt")
     marker = str(tmp_path / "payload_ran")
     torch.save({"module_state_dict": model.state_dict(), "privacy_accountant_state_dict": _Payload(marker)}, path)

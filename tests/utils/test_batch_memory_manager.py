@@ -7,7 +7,7 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager
 from trl_userdp.utils import UserBatchMemoryManager
 from trl_userdp.utils.batch_memory_manager import whole_user_chunks
 
-from ..test_privacy_engine import _loss, _private_linear
+from ..helpers import linear_loss, private_linear
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
@@ -18,7 +18,7 @@ def test_physical_batches_of_whole_users_give_the_one_batch_update(clip, mode):
     results = []
     for physical in (None, 7):
         torch.manual_seed(0)
-        engine, model, optimizer, loader = _private_linear(
+        engine, model, optimizer, loader = private_linear(
             noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6, sampling_seed=3, noise_seed=4,
             lr=0.5, max_grad_norm=clip, grad_sample_mode=mode)
         sizes, steps = [], 0
@@ -33,7 +33,7 @@ def test_physical_batches_of_whole_users_give_the_one_batch_update(clip, mode):
                 users = loader.last_row_users
                 assert len(x) <= physical and len(users) == len(x)
             if len(x):
-                _loss(model(x), y).backward()
+                linear_loss(model(x), y).backward()
             optimizer.step()  # Opacus's loop: step after every physical batch; only the draw's last one steps
             optimizer.zero_grad()
             steps += 1
@@ -55,7 +55,7 @@ def test_chunks_keep_users_whole_and_refuse_a_user_larger_than_the_cap():
 
 def test_opacus_batch_memory_manager_over_users_is_a_clear_error():
     """It used to fail deep inside the model (`linear(): argument 'input' must be Tensor, not list`)."""
-    _, model, optimizer, loader = _private_linear(noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6)
+    _, model, optimizer, loader = private_linear(noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6)
     with pytest.raises(ValueError, match="cutting users apart; use trl_userdp.utils.UserBatchMemoryManager"):
         with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as batches:
             next(iter(batches))
@@ -82,7 +82,7 @@ def test_a_draw_ended_by_the_budget_guard_leaves_no_signal_behind():
     a signal left in the queue would make the next draw step on its first physical batch."""
     import trl_userdp
 
-    _, model, optimizer, loader = _private_linear(noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6)
+    _, model, optimizer, loader = private_linear(noise_multiplier=0.7, max_samples_per_user=5, users_per_batch=6)
 
     def exhausted():
         raise trl_userdp.PrivacyBudgetExhausted("spent")
