@@ -122,3 +122,12 @@ def test_the_sft_policy_is_reused_only_with_its_settings_and_evaluation_keeps_th
     point = evaluate_policy(policy, policy, AutoTokenizer.from_pretrained(path), data.test_prompts, data.gold, args,
                             seed=1)
     assert torch.equal(torch.get_rng_state(), before) and math.isfinite(point["gold_reward"])
+
+
+def test_aup_rlhf_and_only_it_takes_its_radius_from_the_public_users():
+    """The pipeline asks the public users for τ when a mechanism is AUP-RLHF's (it used to read an `adaptive` flag that
+    the mechanisms no longer carry, so AUP-RLHF would have run without τ)."""
+    from trl_userdp.experiments.pipeline.reward import needs_public_tau
+    from trl_userdp.mechanisms import mechanism_names
+
+    assert [name for name in mechanism_names() if needs_public_tau(name)] == ["aup"]
