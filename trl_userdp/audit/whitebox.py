@@ -1,0 +1,174 @@
+"""The white-box audit of the engine as implemented (docs/audit.md): gradient canary users trained through
+:meth:`~trl_userdp.PrivacyEngine.make_private_user_level`, path included (the mechanism, ``grad_sample_mode``, the
+parameters' dtype, micro-batches).
+
+Canary user ``c`` has a Dirac gradient (Steinke et al. 2023, §6): its rows are the one-hot vector ``e_c`` into a
+``Linear(m, 1)`` model and its loss is ``−s·output`` with ``s`` far above the clip, so whatever the step, its averaged
+gradient is ``−s·e_c`` and its clipped one ``−C·e_c``. Each step releases ``(Σ clipped + noise)/ñ``; the auditor reads
+each canary's coordinate of the released updates, in units of ``C/ñ``, and scores it by their sum (what the final
+model shows) or by the likelihood ratio of the subsampled Gaussian step by step (what every iterate shows).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from ..mechanisms import GradientMechanism
+from ..privacy_engine import PrivacyEngine
+from ..seeding import derive_seed
+from .bounds import audit_scores
+from .canaries import CanaryDraw
+from .report import AuditReport
+
+#: the canaries' loss scale, as a multiple of the clip: every canary user is clipped, whatever its rows
+CANARY_SCALE = 100.0
+SCORES = ("sum", "steps")
+
+
+class _OneHotRows(Dataset):
+    """Row ``i`` is the one-hot vector of canary ``index[i]`` (built on access: ``m × m`` floats are never held)."""
+
+    def __init__(self, index: np.ndarray, m: int, dtype: torch.dtype):
+        self.index, self.m, self.dtype = torch.as_tensor(index, dtype=torch.long), m, dtype
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int):
+        return (nn.functional.one_hot(self.index[i], self.m).to(self.dtype),)
+
+
+def step_log_likelihood_ratio(x: np.ndarray, sample_rate: float, noise_multiplier: float) -> np.ndarray:
+    """The log-likelihood ratio of one step's release ``x`` (in units of ``C/ñ``) for "the canary is in" against "it
+    is out", under the Poisson-subsampled Gaussian: ``log(1 − q + q·exp((2x − 1)/(2σ²)))``.
+
+    Args:
+        x: the canaries' coordinates of one step's update, in units of ``C/ñ``.
+        sample_rate: q.
+        noise_multiplier: σ (> 0).
+
+    Returns:
+        The ratios, elementwise.
+    """
+    shift = (2 * x - 1) / (2 * noise_multiplier ** 2)
+    if sample_rate >= 1:
+        return shift
+    return np.logaddexp(np.log1p(-sample_rate), np.log(sample_rate) + shift)
+
+
+def audit_gradient_canaries(
+    n_canaries: int = 1000,
+    *,
+    steps: int = 10,
+    target_epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    delta: float = 1e-5,
+    users_per_batch: Optional[float] = None,
+    max_grad_norm: float = 1.0,
+    rows_per_user: int = 1,
+    mechanism: Union[str, GradientMechanism] = "user_dpsgd",
+    grad_sample_mode: str = "hooks",
+    dtype: torch.dtype = torch.float32,
+    micro_batches: int = 1,
+    score: str = "sum",
+    confidence: float = 0.95,
+    seed: Optional[int] = None,
+    accountant: str = "pld",
+    before_training: Optional[Callable[[PrivacyEngine, Any], None]] = None,
+    progress: bool = False,
+) -> AuditReport:
+    """Train ``n_canaries`` gradient canary users, each in by a secret draw of probability ½, through the engine, and
+    audit the run's ε (Steinke et al. 2023's one-run bound, :func:`~trl_userdp.audit.bounds.audit_scores`).
+
+    Args:
+        n_canaries: m, the canary users (the model has one coordinate each).
+        steps: T, the private steps.
+        target_epsilon: the run's target ε (σ calibrated to it); or give ``noise_multiplier``.
+        noise_multiplier: a fixed σ instead of a target.
+        delta: δ of the claim and of the audit.
+        users_per_batch: ñ (default: every included canary user at every step, q = 1, the strongest audit).
+        max_grad_norm: C.
+        rows_per_user: the records of each canary user (all of them one-hot in its coordinate).
+        mechanism: a clipping mechanism (name or object): ``"user_dpsgd"``, ``"group"``, ``"user_dpsgd_adaptive"``.
+        grad_sample_mode: ``"hooks"``, ``"functorch"`` or ``"ghost"``.
+        dtype: the parameters' and inputs' dtype (``torch.bfloat16`` audits the bf16 path).
+        micro_batches: each draw in this many micro-batches of whole users.
+        score: ``"sum"`` (each canary's coordinate of the summed updates) or ``"steps"`` (its likelihood ratio over
+            every step's update, which needs σ > 0).
+        confidence: the confidence of the bound.
+        seed: seeds the draw, the sampling and the noise (None: the OS; a seeded audit is reproducible, and its seed
+            a secret of the auditor's).
+        accountant: the engine's accountant.
+        before_training: called with the engine and the private optimizer before the first step (e.g. to break the
+            run on purpose, and see the audit catch it).
+        progress: show a progress bar over the steps.
+
+    Returns:
+        The :class:`~trl_userdp.audit.report.AuditReport`.
+
+    Raises:
+        ValueError: an unknown ``score``, ``score="steps"`` at σ = 0, or what the engine refuses.
+    """
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}.")
+    draw = CanaryDraw.draw(n_canaries, None if seed is None else derive_seed(seed, "audit-draw"))
+    members = np.flatnonzero(draw.included)
+    index = np.repeat(members, rows_per_user)
+    model = nn.Linear(n_canaries, 1, bias=False).to(dtype)
+    nn.init.zeros_(model.weight)
+    engine = PrivacyEngine(accountant=accountant)
+    length = {"noise_multiplier": noise_multiplier} if noise_multiplier is not None else {
+        "target_epsilon": target_epsilon, "target_delta": delta}
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(_OneHotRows(index, n_canaries, dtype)), user_ids=index.tolist(),
+        max_samples_per_user=rows_per_user, users_per_batch=float(users_per_batch or len(members)),
+        max_grad_norm=max_grad_norm, steps=steps, mechanism=mechanism, grad_sample_mode=grad_sample_mode,
+        micro_batches=micro_batches,
+        sampling_seed=None if seed is None else derive_seed(seed, "audit-sampling"),
+        noise_generator=None if seed is None else torch.Generator().manual_seed(derive_seed(seed, "audit-noise")),
+        **length)
+    sigma = optimizer.noise_multiplier
+    if score == "steps" and not sigma > 0:
+        raise ValueError("score='steps' weighs each step by the noise; at σ = 0 use score='sum'.")
+    if before_training is not None:
+        before_training(engine, optimizer)
+    units = getattr(optimizer, "global_expected_batch_size", optimizer.expected_batch_size)
+    scores = np.zeros(n_canaries)
+    previous = model.weight.detach().double().flatten().clone()
+    bar = tqdm(total=steps, desc="audit steps", disable=not progress)
+    while engine.steps_accounted() < steps:  # the loader yields epochs of round(1/q) steps
+        for i, (x,) in enumerate(loader):
+            if i % micro_batches == 0:
+                optimizer.zero_grad()
+            clip = float(optimizer.max_grad_norm)  # the clip this step uses (an adaptive clip moves after it)
+            if len(x):
+                (-CANARY_SCALE * max_grad_norm * model(x).sum() / len(x)).backward()
+            if i % micro_batches < micro_batches - 1:
+                continue
+            optimizer.step()
+            current = model.weight.detach().double().flatten().clone()
+            released = (current - previous).numpy() * units / clip  # one step's update, in units of C/ñ
+            previous = current
+            scores += released if score == "sum" else step_log_likelihood_ratio(released, loader.sample_rate, sigma)
+            bar.update(1)
+            if engine.steps_accounted() == steps:
+                break
+    bar.close()
+    audit = audit_scores(scores, draw.included, delta, confidence)
+    settings = {"mechanism": engine.mechanism.report_name, "grad_sample_mode": grad_sample_mode,
+                "dtype": str(dtype).replace("torch.", ""), "micro_batches": micro_batches,
+                "noise_multiplier": sigma, "sample_rate": loader.sample_rate, "steps": engine.steps_accounted(),
+                "max_grad_norm": max_grad_norm, "rows_per_user": rows_per_user, "accountant": accountant,
+                "abstentions_tried": list(audit.tried), "k_in": audit.guesses.k_in, "k_out": audit.guesses.k_out}
+    return AuditReport(
+        epsilon_lower=audit.epsilon_lower, epsilon_claimed=engine.get_epsilon(delta), delta=delta,
+        confidence=confidence, canaries=n_canaries, canaries_in=len(members), guesses=audit.guesses.guesses,
+        correct=audit.guesses.correct, auditor=f"white-box gradient canary users, score: {score}", settings=settings,
+        scores_in=scores[draw.included].tolist(), scores_out=scores[~draw.included].tolist())
