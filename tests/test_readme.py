@@ -78,7 +78,7 @@ def _rr():
 
 #: a marker of each Python block → the names it expects from the reader
 PYTHON = {"UserDPRewardTrainer(": _trl, "AdaptiveUserPrivacyEngine()": _aup, "UserRandomizedResponse(": _rr,
-          "trl_userdp.PrivacyEngine(": _torch_loop, "bound_contributions(": dict}
+          "trl_userdp.PrivacyEngine(": _torch_loop, "bound_contributions(": dict, "audit_gradient_canaries(": dict}
 #: command blocks that this file does not run, and why
 NOT_RUN = {"./scripts/main": "the set-up commands: .ci/run runs ./scripts/test, the main job is its own run",
            "accelerate launch --multi_gpu": "its first line needs GPUs; its second (two CPU processes) runs under -m slow",

@@ -72,3 +72,13 @@ def test_pipeline_seeds_varies_one_seed_at_a_time(tmp_path):
     assert {s["varied"]: s["runs"] for s in out["spread"]} == {"reward seeds": 2, "RL seeds": 2}
     assert all(math.isfinite(s["gain_sd"]) for s in out["spread"])
     assert os.path.exists(tmp_path / "pipeline_seeds.json")
+
+
+def test_the_audit_benchmark_writes_its_table(tmp_path):
+    from benchmarks import audit
+
+    out = audit.main(["--seeds", "1", "--canaries", "200", "--large", "0", "--steps", "3", "--epsilons", "4",
+                      "--out", str(tmp_path)])
+    assert set(out["results"]) == {f"{kind}|4.0|200" for kind in audit.KINDS}
+    assert out["results"]["σ/4 (claims σ)|4.0|200"]["epsilon_lower"][0] > out["results"]["honest|4.0|200"]["mean"]
+    assert (tmp_path / "audit.json").exists()
