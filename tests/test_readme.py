@@ -3,12 +3,17 @@ the small model, tokenizer and data it names (steps capped), the README's comman
 and LoRA) on its own row format, YAML and model card, and the two-process command of docs/trainers.md (``-m slow``).
 A block this file does not know fails the test, so a new snippet gets a runner."""
 
+import contextlib
+import io
 import json
+import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -144,11 +149,28 @@ def chain(tmp_path_factory):
 
 
 def _run_block(block: str, work: Path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    """Each command of the block, as ``trl-userdp`` runs it (``trl_userdp.cli.main`` on the shell's words), in
+    ``work``, in this process: the entry point itself runs in a shell in tests/scripts/test_cli.py, and one process
+    keeps each setting's calibrated σ, which the LoRA chain asks for again. Returns ``(command, result)`` pairs, the
+    result's ``returncode``, ``stdout`` and ``stderr`` (the package's log lines included) as a process's."""
+    from trl_userdp.cli import main
+
+    package = logging.getLogger("trl_userdp")
     results = []
     for command in _commands(block):
-        proc = subprocess.run(command, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-        results.append((command, proc))
+        words = shlex.split(command)
+        assert words[0] == "trl-userdp", command
+        out, err = io.StringIO(), io.StringIO()
+        handlers, capture = list(package.handlers), logging.StreamHandler(err)
+        capture.setFormatter(logging.Formatter("%(levelname)s:%(message)s"))
+        package.addHandler(capture)
+        try:
+            with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                patch.chdir(work)
+                code = main(words[1:])
+        finally:
+            package.handlers = handlers  # what the command added (its console handler) goes with it
+        results.append((command, SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())))
     return results
 
 

@@ -93,3 +93,26 @@ def test_make_parser_adds_the_command_to_sub_parsers():
     assert parser.prog == "mine account"
     (args,) = parser.parse_args_and_config(["--epsilons", "3", "8", "--steps", "100"])
     assert args == account.AccountArguments(epsilons=[3.0, 8.0], steps=100)
+
+
+def test_audit_writes_its_report_draw_and_plot_and_says_so_in_one_line(tmp_path, capsys):
+    """`trl-userdp audit` on the embedded pairs: the black-box audit of a non-private reward model finds its canary
+    users (ε claimed ∞), and the white-box audit of the engine stays below its claim."""
+    import json
+
+    from trl_userdp.audit import AuditReport, CanaryDraw
+
+    out = tmp_path / "audit"
+    assert main(["audit", "--privacy_mechanism", "none", "--n_users", "20", "--canaries", "60", "--max_steps", "60",
+                 "--audit_seed", "0", "--output_dir", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("ε claimed ∞, audited lower bound") and str(out) in lines[-1]
+    report = AuditReport.load(str(out))
+    assert report.epsilon_lower > 0 and report.canaries == 60 and (out / "scores.png").exists()
+    assert CanaryDraw.load(str(out)).m == 60 and json.loads((out / "canary_draw.json").read_text())["seed"] == 0
+    assert main(["audit", "--auditor", "whitebox", "--privacy_mechanism", "user_dpsgd", "--target_epsilon", "4",
+                 "--accountant", "rdp", "--canaries", "200", "--output_dir", str(tmp_path / "wb")]) == 0
+    assert AuditReport.load(str(tmp_path / "wb")).consistent
+    assert main(["audit", "--auditor", "whitebox", "--privacy_mechanism", "randomized_response",
+                 "--output_dir", str(tmp_path / "rr")]) == 2
+    assert "audits gradient mechanisms" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 training data by a secret draw of probability ½, the one-run lower bound on ε from guesses of which were in, and the
 white-box audit of the engine as implemented."""
 
+from .blackbox import PreferenceCanaries
 from .bounds import Guesses, ScoreAudit, audit_scores, epsilon_lower_bound, guess, p_value
 from .canaries import CanaryDraw
 from .report import AuditReport
@@ -11,6 +12,7 @@ __all__ = [
     "AuditReport",
     "CanaryDraw",
     "Guesses",
+    "PreferenceCanaries",
     "ScoreAudit",
     "audit_gradient_canaries",
     "audit_scores",

@@ -1,5 +1,5 @@
 """The ``trl-userdp`` commands, one module each, as TRL's ``trl/scripts/``: :mod:`.account`, :mod:`.reward`,
-:mod:`.dpo`, :mod:`.rl` and :mod:`.pipeline`. Each has ``make_parser(subparsers=None, prog=None)``, ``main(...)`` and
+:mod:`.dpo`, :mod:`.rl`, :mod:`.pipeline` and :mod:`.audit`. Each has ``make_parser(subparsers=None, prog=None)``, ``main(...)`` and
 ``HELP`` (its line in ``trl-userdp --help``), and runs by itself as ``python -m trl_userdp.scripts.<command>``;
 :mod:`trl_userdp.cli` dispatches to them. What several commands share (the parser, data loading, the one-line errors)
 is :mod:`.utils`.

@@ -1,0 +1,178 @@
+"""The black-box audit of a trained reward model (docs/audit.md): canary users whose preference pairs carry a signal
+only they hold, scored by the model's margin on those pairs.
+
+Canary user ``c`` prefers ``A_c`` to ``B_c``, two strings of tokens drawn at random from the tokenizer's vocabulary
+(distinct tokens for every canary, when the vocabulary allows: no other pair, canary or not, moves their embeddings).
+A model trained on ``c`` ranks ``A_c`` above ``B_c`` by more than chance; one that never saw ``c`` has only its
+initialisation's margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .bounds import audit_scores
+from .canaries import CanaryDraw
+from .report import AuditReport
+
+
+def _whole_tokens(tokenizer: Any) -> List[int]:
+    """The tokens that stand for a printable text of their own: not special, and read back as themselves (a byte-level
+    token holding part of a character decodes to "\ufffd", which many tokens share)."""
+    special = set(tokenizer.all_special_ids)
+    whole = []
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        if i not in special and text.strip() and text.isprintable() and "\ufffd" not in text \
+                and tokenizer(text, add_special_tokens=False)["input_ids"] == [i]:
+            whole.append(i)
+    return whole
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceCanaries:
+    """``m`` canary users, each with ``pairs_per_user`` copies of its own pair ``(prompt, A_c, B_c)``.
+
+    Args:
+        draw: the secret inclusion draw.
+        prompt: the prompt of every canary pair.
+        chosen: ``A_c`` per canary.
+        rejected: ``B_c`` per canary.
+        pairs_per_user: the records of each canary user.
+        user_prefix: canary ``c``'s user id is ``f"{user_prefix}{c}"``.
+    """
+
+    draw: CanaryDraw
+    prompt: str
+    chosen: List[str]
+    rejected: List[str]
+    pairs_per_user: int = 1
+    user_prefix: str = "canary-"
+
+    @classmethod
+    def make(cls, tokenizer: Any, m: int, *, tokens: int = 2, pairs_per_user: int = 1, prompt: str = "",
+             seed: Optional[int] = None, user_prefix: str = "canary-") -> "PreferenceCanaries":
+        """Draw ``m`` canary users' pairs from ``tokenizer``'s vocabulary and their inclusion.
+
+        Args:
+            tokenizer: the model's tokenizer (only tokens that read back as themselves are drawn; no special one).
+            m: the number of canary users.
+            tokens: the tokens of each of ``A_c`` and ``B_c``.
+            pairs_per_user: the records of each canary user (copies of its pair).
+            prompt: the prompt of every canary pair.
+            seed: seeds the inclusion draw and the strings (None: the OS).
+            user_prefix: the canaries' user ids start with it.
+
+        Returns:
+            The canaries.
+        """
+        draw = CanaryDraw.draw(m, seed)
+        rng = np.random.default_rng([draw.seed, 1])
+        vocabulary = np.array(_whole_tokens(tokenizer))
+        needed = 2 * m * tokens
+        ids = rng.permutation(vocabulary)[:needed] if needed <= len(vocabulary) else rng.choice(vocabulary, needed)
+        texts = [tokenizer.decode(row.tolist()) for row in ids.reshape(2 * m, tokens)]
+        return cls(draw, prompt, texts[:m], texts[m:], pairs_per_user, user_prefix)
+
+    def rows(self, user_column: str = "user_id", first_id: Optional[int] = None) -> Dict[str, list]:
+        """The included canary users' records, as columns of a preference dataset.
+
+        Args:
+            user_column: the name of the user column.
+            first_id: integer user ids from this one on (canary ``c`` is ``first_id + c``), for a dataset whose users
+                are integers; None: ``f"{user_prefix}{c}"``.
+
+        Returns:
+            ``prompt``, ``chosen``, ``rejected`` and the user column.
+        """
+        members = np.repeat(np.flatnonzero(self.draw.included), self.pairs_per_user)
+        users = [f"{self.user_prefix}{c}" if first_id is None else first_id + int(c) for c in members]
+        return {"prompt": [self.prompt] * len(members), "chosen": [self.chosen[c] for c in members],
+                "rejected": [self.rejected[c] for c in members], user_column: users}
+
+    def add_to(self, dataset: Any, user_column: str = "user_id") -> Any:
+        """``dataset`` (a ``datasets.Dataset`` of preference pairs) with the included canary users' records appended.
+
+        Args:
+            dataset: the real users' pairs, with ``prompt``, ``chosen``, ``rejected`` and the user column.
+            user_column: the user column.
+
+        Returns:
+            The concatenated dataset (its other columns dropped; without a ``prompt`` column if it has none).
+
+        Raises:
+            ValueError: a real user's id starts with the canaries' prefix, or the canaries have a prompt and the
+                dataset no ``prompt`` column.
+        """
+        import datasets
+
+        users = dataset[user_column]
+        integer_ids = str(getattr(dataset.features[user_column], "dtype", "")).startswith(("int", "uint"))
+        if not integer_ids and any(str(u).startswith(self.user_prefix) for u in users):
+            raise ValueError(f"A user id of the dataset starts with {self.user_prefix!r}, the canaries' prefix: pass "
+                             "another user_prefix.")
+        columns = [c for c in ("prompt", "chosen", "rejected") if c in dataset.column_names] + [user_column]
+        if "prompt" not in columns and self.prompt:
+            raise ValueError("The canaries have a prompt but the dataset has no 'prompt' column.")
+        real = dataset.select_columns(columns)
+        first_id = int(max(users)) + 1 if integer_ids else None  # integer users: canaries after the largest id
+        rows = {c: v for c, v in self.rows(user_column, first_id).items() if c in columns}
+        canaries = datasets.Dataset.from_dict(rows).cast(real.features)
+        return datasets.concatenate_datasets([real, canaries])
+
+    @torch.no_grad()
+    def scores(self, model: torch.nn.Module, tokenizer: Any, batch_size: int = 32) -> np.ndarray:
+        """Each canary's margin ``r(prompt + A_c) − r(prompt + B_c)`` under the reward model, tokenized as TRL's
+        ``RewardTrainer`` tokenizes (EOS appended).
+
+        Args:
+            model: a sequence-classification reward model (one output).
+            tokenizer: its tokenizer.
+            batch_size: texts per forward pass.
+
+        Returns:
+            ``[m]`` margins.
+        """
+        model.eval()
+        device = next(model.parameters()).device
+        eos = tokenizer.eos_token or ""
+
+        def rewards(texts: List[str]) -> np.ndarray:
+            out = []
+            for i in range(0, len(texts), batch_size):
+                batch = tokenizer([self.prompt + t + eos for t in texts[i:i + batch_size]], return_tensors="pt",
+                                  padding=True, add_special_tokens=False).to(device)
+                out.append(model(**batch).logits[:, 0].float().cpu())
+            return torch.cat(out).double().numpy()
+
+        return rewards(self.chosen) - rewards(self.rejected)
+
+    def audit(self, model: torch.nn.Module, tokenizer: Any, *, delta: float, epsilon_claimed: float,
+              confidence: float = 0.95, settings: Optional[Dict[str, Any]] = None) -> AuditReport:
+        """Score the canaries on a trained reward model and bound its ε (one run, Steinke et al. 2023).
+
+        Args:
+            model: the reward model trained on the real users and the included canaries.
+            tokenizer: its tokenizer.
+            delta: the run's δ.
+            epsilon_claimed: the ε its privacy report states (``math.inf`` without privacy).
+            confidence: the confidence of the bound.
+            settings: the run's settings, for the report.
+
+        Returns:
+            The :class:`~trl_userdp.audit.report.AuditReport`.
+        """
+        scores = self.scores(model, tokenizer)
+        found = audit_scores(scores, self.draw.included, delta, confidence)
+        included = self.draw.included
+        return AuditReport(
+            epsilon_lower=found.epsilon_lower, epsilon_claimed=epsilon_claimed, delta=delta, confidence=confidence,
+            canaries=self.draw.m, canaries_in=int(included.sum()), guesses=found.guesses.guesses,
+            correct=found.guesses.correct, auditor="black-box preference canary users, score: the reward margin",
+            settings={**(settings or {}), "pairs_per_user": self.pairs_per_user, "k_in": found.guesses.k_in,
+                      "k_out": found.guesses.k_out, "abstentions_tried": list(found.tried)},
+            scores_in=scores[included].tolist(), scores_out=scores[~included].tolist())

@@ -1,0 +1,140 @@
+"""``trl-userdp audit``: audit a private run in one training run (docs/audit.md). ``--auditor blackbox`` trains a
+reward model (:class:`~trl_userdp.trainers.UserDPRewardTrainer`, the reward command's privacy options) on the data
+plus canary users drawn in by a secret coin, and bounds ε from the model's margins on their pairs; ``--auditor
+whitebox`` trains gradient canary users through the engine with the same privacy options.
+
+```bash
+python -m trl_userdp.scripts.audit --privacy_mechanism user_dpsgd --target_epsilon 8 --output_dir runs/audit
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from typing import Optional
+
+from .utils import UserDataArguments, _load_data, command_parser, run_script
+
+#: the command's line in ``trl-userdp --help``
+HELP = "Audit a run in one training run: canary users, and a lower bound on its ε (docs/audit.md)."
+#: parser defaults (a --config YAML and the command line win over them)
+DEFAULTS = {"output_dir": "runs/audit", "n_users": 100, "pairs_per_user": 4, "max_samples_per_user": 4,
+            "per_device_train_batch_size": 16, "learning_rate": 3e-2, "max_steps": 150, "logging_steps": 50,
+            "save_strategy": "no", "report_to": [], "use_cpu": True}
+AUDITORS = ("blackbox", "whitebox")
+
+
+@dataclasses.dataclass
+class AuditArguments:
+    """The audit's own options."""
+
+    auditor: str = dataclasses.field(default="blackbox", metadata={
+        "help": "blackbox: a reward model trained on the data and the canary users, scored by its margins; "
+                "whitebox: gradient canary users through the engine (the path's options: --grad_sample_mode …).",
+        "choices": list(AUDITORS)})
+    canaries: int = dataclasses.field(default=200, metadata={"help": "Canary users m (each in with probability ½)."})
+    canary_pairs: int = dataclasses.field(default=4, metadata={"help": "blackbox: records of each canary user."})
+    canary_tokens: int = dataclasses.field(default=1, metadata={"help": "blackbox: tokens of each canary string."})
+    whitebox_steps: int = dataclasses.field(default=10, metadata={"help": "whitebox: private steps."})
+    audit_seed: Optional[int] = dataclasses.field(default=None, metadata={
+        "help": "Seeds the canary draw (default: the OS; the draw is saved as canary_draw.json, a secret)."})
+    confidence: float = dataclasses.field(default=0.95, metadata={"help": "Confidence of the lower bound."})
+
+
+def _small_reward_model(seed: int):
+    """The ``tiny`` Llama of ``dpo`` as a one-output sequence classifier, with its public tokenizer."""
+    from transformers import LlamaForSequenceClassification
+
+    from ..experiments.imdb import public_corpus
+    from ..experiments.pipeline import small_causal_lm
+
+    policy, tokenizer = small_causal_lm(public_corpus(), seed=seed)
+    config = policy.config
+    config.num_labels = 1
+    return LlamaForSequenceClassification(config), tokenizer
+
+
+def main(script_args: UserDataArguments, training_args, audit_args: AuditArguments) -> int:
+    """Run the audit, write ``audit_report.json``, ``canary_draw.json`` and ``scores.png``, print one line.
+
+    Args:
+        script_args: the real users' data (:class:`~trl_userdp.scripts.utils.UserDataArguments`; the embedded IMDb
+            pairs by default).
+        training_args: a :class:`~trl_userdp.trainers.UserDPRewardConfig` (the run under audit).
+        audit_args: the audit's options.
+
+    Returns:
+        0.
+
+    Raises:
+        ValueError: bad options or data.
+    """
+    from ..audit import PreferenceCanaries, audit_gradient_canaries  # lazy: the engines and transformers
+    from ..mechanisms import get_mechanism
+
+    out = training_args.output_dir
+    delta = training_args.target_delta
+    if audit_args.auditor == "whitebox":
+        mechanism = get_mechanism(training_args.privacy_mechanism)
+        if mechanism.kind != "gradient":
+            raise ValueError(f"--auditor whitebox audits gradient mechanisms; {training_args.privacy_mechanism!r} is "
+                             "not one: use --auditor blackbox.")
+        report = audit_gradient_canaries(
+            audit_args.canaries, steps=audit_args.whitebox_steps, target_epsilon=training_args.target_epsilon,
+            noise_multiplier=training_args.noise_multiplier, delta=delta,
+            max_grad_norm=training_args.per_user_max_grad_norm, mechanism=mechanism.from_arguments(training_args),
+            grad_sample_mode=training_args.grad_sample_mode, confidence=audit_args.confidence,
+            seed=audit_args.audit_seed, accountant=training_args.accountant, progress=True)
+        draw = None
+    else:
+        from ..trainers import UserDPRewardTrainer
+
+        train, _ = _load_data(script_args, training_args)
+        model, tokenizer = _small_reward_model(training_args.seed)
+        canaries = PreferenceCanaries.make(tokenizer, audit_args.canaries, tokens=audit_args.canary_tokens,
+                                           pairs_per_user=audit_args.canary_pairs, seed=audit_args.audit_seed)
+        trainer = UserDPRewardTrainer(model=model, args=training_args,
+                                      train_dataset=canaries.add_to(train, training_args.user_column),
+                                      processing_class=tokenizer)
+        trainer.train()
+        claimed = trainer.privacy_report().epsilon
+        report = canaries.audit(trainer.model, tokenizer, delta=delta, epsilon_claimed=claimed,
+                                confidence=audit_args.confidence,
+                                settings={"mechanism": training_args.privacy_mechanism,
+                                          "steps": trainer.state.global_step,
+                                          "real_users": len(set(train[training_args.user_column]))})
+        draw = canaries.draw
+    os.makedirs(out, exist_ok=True)
+    report.save(out)
+    report.plot(os.path.join(out, "scores.png"))
+    if draw is not None:  # the auditor's secret: this folder holds no model
+        draw.save(out)
+    claimed = "∞" if math.isinf(report.epsilon_claimed) else f"{report.epsilon_claimed:.3g}"
+    print(f"ε claimed {claimed}, audited lower bound {report.epsilon_lower:.3g} at {report.confidence:.0%} "
+          f"({report.correct} of {report.guesses} guesses right on {report.canaries} canary users)")
+    print(f"trl-userdp: audit_report.json and scores.png written to {out}")
+    return 0
+
+
+def make_parser(subparsers: Optional[argparse._SubParsersAction] = None, prog: Optional[str] = None):
+    """The parser of ``audit``: the data, :class:`~trl_userdp.trainers.UserDPRewardConfig` and
+    :class:`AuditArguments`.
+
+    Args:
+        subparsers: add it to these (see :func:`~trl_userdp.scripts.utils.command_parser`); None: its own parser.
+        prog: the program name in its usage line.
+
+    Returns:
+        The parser, with :data:`DEFAULTS`.
+    """
+    from ..trainers import UserDPRewardConfig  # lazy: transformers' Trainer and TRL's trainers
+
+    return command_parser("audit", [UserDataArguments, UserDPRewardConfig, AuditArguments], help=HELP,
+                          subparsers=subparsers, prog=prog, defaults=DEFAULTS)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_script("audit", make_parser, main, prog="python -m trl_userdp.scripts.audit"))
