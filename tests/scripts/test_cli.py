@@ -17,7 +17,7 @@ from .helpers import run_cli
 def test_the_top_level_help_lists_each_command_with_its_line(capsys):
     assert main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
-    assert list(COMMANDS) == ["account", "reward", "dpo", "rl", "pipeline"]
+    assert list(COMMANDS) == ["account", "reward", "dpo", "rl", "pipeline", "audit"]
     for name, script in COMMANDS.items():
         assert f"{name} {script.HELP}" in text
 
