@@ -34,7 +34,13 @@ from trl_userdp.optimizers import UserDPOptimizer
 DELTA = 1e-5
 
 
-def _quarter_noise(engine, optimizer) -> None:
+def quarter_noise(engine, optimizer) -> None:
+    """A broken run: the optimizer adds σ/4 of noise while its accountant (and its report) keep σ.
+
+    Args:
+        engine: the run's engine (unused: its accountant is left honest about σ).
+        optimizer: the private optimizer, whose ``add_noise`` is replaced.
+    """
     add_noise = optimizer.add_noise
 
     def quiet():
@@ -58,7 +64,7 @@ def _run(kind: str, epsilon: float, canaries: int, steps: int, seed: int) -> Dic
         "honest": {},
         "ghost bf16 micro-batches": {"grad_sample_mode": "ghost", "dtype": "bf16", "micro_batches": 2},
         "Poisson q = 0.2, steps score": {"users_per_batch": 0.1 * canaries, "score": "steps", "steps": 3 * steps},
-        "σ/4 (claims σ)": {"before_training": _quarter_noise},
+        "σ/4 (claims σ)": {"before_training": quarter_noise},
     }.get(kind, {})
     if options.get("dtype") == "bf16":
         import torch

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.audit import quarter_noise
 from trl_userdp.audit import AuditReport, CanaryDraw, audit_gradient_canaries
 from trl_userdp.audit.bounds import audit_scores, gaussian_game
 from trl_userdp.optimizers import UserDPOptimizer
@@ -25,22 +26,8 @@ def test_an_honest_run_audits_below_its_claim_in_every_seed(epsilon):
     assert np.mean(audited) > 0.2 * epsilon and abs(np.mean(audited) - np.mean(ideal)) < 0.5 * np.mean(ideal)
 
 
-def _quarter_noise(engine, optimizer):
-    """Adds σ/4 of noise while the accountant (and the report) keep σ."""
-    add_noise = optimizer.add_noise
-
-    def quiet():
-        optimizer.noise_multiplier /= 4
-        try:
-            add_noise()
-        finally:
-            optimizer.noise_multiplier *= 4
-
-    optimizer.add_noise = quiet
-
-
 def test_a_run_with_a_quarter_of_its_noise_audits_above_its_claim():
-    report = audit_gradient_canaries(1000, steps=10, target_epsilon=2.0, seed=0, before_training=_quarter_noise)
+    report = audit_gradient_canaries(1000, steps=10, target_epsilon=2.0, seed=0, before_training=quarter_noise)
     assert report.epsilon_claimed == pytest.approx(2.0, rel=1e-3)
     assert not report.consistent and report.epsilon_lower > 2.0, report.summary()
 
