@@ -76,3 +76,19 @@ def test_the_report_and_the_draw_save_load_and_plot(tmp_path):
         audit_gradient_canaries(10, score="max")
     with pytest.raises(ValueError, match="at σ = 0"):
         audit_gradient_canaries(10, noise_multiplier=0.0, score="steps")
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_near_cancelling_users_in_bf16_ghost_clipping_stay_below_the_claim(micro_batches):
+    """Canary users of two rows at ±10⁴·C (average 100·C), ghost clipping's Gram route in bf16: on the code before the
+    fast-path fixes (c51be16) this audit gives ε_lower = 4.57 against a claimed 2 (500 of 500 guesses right: the norms,
+    computed in bf16 from the rows, lost the users and let them through unclipped); the fixed code must stay below."""
+    def gram(engine, optimizer):
+        engine.hooks.norm_route = "gram"
+
+    report = audit_gradient_canaries(1000, steps=10, target_epsilon=2.0, seed=0, rows_per_user=2, near_cancelling=True,
+                                     grad_sample_mode="ghost", dtype=torch.bfloat16, micro_batches=micro_batches,
+                                     before_training=gram)
+    assert report.settings["near_cancelling"] and report.consistent, report.summary()
+    with pytest.raises(ValueError, match="rows_per_user=2"):
+        audit_gradient_canaries(10, near_cancelling=True)

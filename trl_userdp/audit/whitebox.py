@@ -28,20 +28,25 @@ from .report import AuditReport
 
 #: the canaries' loss scale, as a multiple of the clip: every canary user is clipped, whatever its rows
 CANARY_SCALE = 100.0
+#: near-cancelling canary users: rows of gradient +10⁴·C and −0.98·10⁴·C, whose average is 100·C; a norm computed
+#: in low precision from the rows (ghost clipping's Gram route) can lose it entirely
+CANCELLING_SCALE, CANCELLING_KEEP = 1e4, 0.98
 SCORES = ("sum", "steps")
 
 
 class _OneHotRows(Dataset):
-    """Row ``i`` is the one-hot vector of canary ``index[i]`` (built on access: ``m × m`` floats are never held)."""
+    """Row ``i`` is the one-hot vector of canary ``index[i]`` (built on access: ``m × m`` floats are never held) and the
+    row's loss weight."""
 
-    def __init__(self, index: np.ndarray, m: int, dtype: torch.dtype):
+    def __init__(self, index: np.ndarray, weights: np.ndarray, m: int, dtype: torch.dtype):
         self.index, self.m, self.dtype = torch.as_tensor(index, dtype=torch.long), m, dtype
+        self.weights = torch.as_tensor(weights, dtype=torch.float32)
 
     def __len__(self) -> int:
         return len(self.index)
 
     def __getitem__(self, i: int):
-        return (nn.functional.one_hot(self.index[i], self.m).to(self.dtype),)
+        return nn.functional.one_hot(self.index[i], self.m).to(self.dtype), self.weights[i]
 
 
 def step_log_likelihood_ratio(x: np.ndarray, sample_rate: float, noise_multiplier: float) -> np.ndarray:
@@ -76,6 +81,7 @@ def audit_gradient_canaries(
     grad_sample_mode: str = "hooks",
     dtype: torch.dtype = torch.float32,
     micro_batches: int = 1,
+    near_cancelling: bool = False,
     score: str = "sum",
     confidence: float = 0.95,
     seed: Optional[int] = None,
@@ -99,6 +105,8 @@ def audit_gradient_canaries(
         grad_sample_mode: ``"hooks"``, ``"functorch"`` or ``"ghost"``.
         dtype: the parameters' and inputs' dtype (``torch.bfloat16`` audits the bf16 path).
         micro_batches: each draw in this many micro-batches of whole users.
+        near_cancelling: adversarial canary users of two rows whose gradients nearly cancel (``±10⁴·C``, average
+            ``100·C``), which a norm computed in low precision from the rows can lose: the audit of a path's precision.
         score: ``"sum"`` (each canary's coordinate of the summed updates) or ``"steps"`` (its likelihood ratio over
             every step's update, which needs σ > 0).
         confidence: the confidence of the bound.
@@ -113,13 +121,18 @@ def audit_gradient_canaries(
         The :class:`~trl_userdp.audit.report.AuditReport`.
 
     Raises:
-        ValueError: an unknown ``score``, ``score="steps"`` at σ = 0, or what the engine refuses.
+        ValueError: an unknown ``score``, ``score="steps"`` at σ = 0, ``near_cancelling`` without two rows per user,
+            or what the engine refuses.
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}.")
+    if near_cancelling and rows_per_user != 2:
+        raise ValueError("near_cancelling canary users have two rows each: rows_per_user=2.")
     draw = CanaryDraw.draw(n_canaries, None if seed is None else derive_seed(seed, "audit-draw"))
     members = np.flatnonzero(draw.included)
     index = np.repeat(members, rows_per_user)
+    scale = CANCELLING_SCALE if near_cancelling else CANARY_SCALE
+    weights = np.tile([1.0, -CANCELLING_KEEP] if near_cancelling else [1.0] * rows_per_user, len(members))
     model = nn.Linear(n_canaries, 1, bias=False).to(dtype)
     nn.init.zeros_(model.weight)
     engine = PrivacyEngine(accountant=accountant)
@@ -127,7 +140,7 @@ def audit_gradient_canaries(
         "target_epsilon": target_epsilon, "target_delta": delta}
     model, optimizer, loader = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=DataLoader(_OneHotRows(index, n_canaries, dtype)), user_ids=index.tolist(),
+        data_loader=DataLoader(_OneHotRows(index, weights, n_canaries, dtype)), user_ids=index.tolist(),
         max_samples_per_user=rows_per_user, users_per_batch=float(users_per_batch or len(members)),
         max_grad_norm=max_grad_norm, steps=steps, mechanism=mechanism, grad_sample_mode=grad_sample_mode,
         micro_batches=micro_batches,
@@ -144,12 +157,12 @@ def audit_gradient_canaries(
     previous = model.weight.detach().double().flatten().clone()
     bar = tqdm(total=steps, desc="audit steps", disable=not progress)
     while engine.steps_accounted() < steps:  # the loader yields epochs of round(1/q) steps
-        for i, (x,) in enumerate(loader):
+        for i, (x, w) in enumerate(loader):
             if i % micro_batches == 0:
                 optimizer.zero_grad()
             clip = float(optimizer.max_grad_norm)  # the clip this step uses (an adaptive clip moves after it)
             if len(x):
-                (-CANARY_SCALE * max_grad_norm * model(x).sum() / len(x)).backward()
+                (-scale * max_grad_norm * (w * model(x)[:, 0]).sum() / len(x)).backward()
             if i % micro_batches < micro_batches - 1:
                 continue
             optimizer.step()
@@ -166,6 +179,7 @@ def audit_gradient_canaries(
                 "dtype": str(dtype).replace("torch.", ""), "micro_batches": micro_batches,
                 "noise_multiplier": sigma, "sample_rate": loader.sample_rate, "steps": engine.steps_accounted(),
                 "max_grad_norm": max_grad_norm, "rows_per_user": rows_per_user, "accountant": accountant,
+                "near_cancelling": near_cancelling,
                 "abstentions_tried": list(audit.tried), "k_in": audit.guesses.k_in, "k_out": audit.guesses.k_out}
     return AuditReport(
         epsilon_lower=audit.epsilon_lower, epsilon_claimed=engine.get_epsilon(delta), delta=delta,
