@@ -1,5 +1,5 @@
-"""The black-box audit of a trained reward model (docs/audit.md): canary users whose preference pairs carry a signal
-only they hold, scored by the model's margin on those pairs.
+"""The black-box audit of a trained reward model or DPO policy (docs/audit.md): canary users whose preference pairs
+carry a signal only they hold, scored by the model's margin on those pairs.
 
 Canary user ``c`` prefers ``A_c`` to ``B_c``, two strings of tokens drawn at random from the tokenizer's vocabulary
 (distinct tokens for every canary, when the vocabulary allows: no other pair, canary or not, moves their embeddings).
@@ -125,39 +125,64 @@ class PreferenceCanaries:
         return datasets.concatenate_datasets([real, canaries])
 
     @torch.no_grad()
-    def scores(self, model: torch.nn.Module, tokenizer: Any, batch_size: int = 32) -> np.ndarray:
-        """Each canary's margin ``r(prompt + A_c) − r(prompt + B_c)`` under the reward model, tokenized as TRL's
-        ``RewardTrainer`` tokenizes (EOS appended).
+    def scores(self, model: torch.nn.Module, tokenizer: Any, reference: Optional[torch.nn.Module] = None,
+               batch_size: int = 32) -> np.ndarray:
+        """Each canary's margin under the model: for a reward model ``r(prompt + A_c) − r(prompt + B_c)``, tokenized as
+        TRL's ``RewardTrainer`` tokenizes (EOS appended); for a policy with its ``reference``, DPO's implicit reward
+        margin ``[log π(A_c|x) − log π_ref(A_c|x)] − [log π(B_c|x) − log π_ref(B_c|x)]`` (completions tokenized apart
+        from the prompt, EOS appended, as TRL's ``DPOTrainer``).
 
         Args:
-            model: a sequence-classification reward model (one output).
+            model: a one-output sequence-classification reward model, or a causal LM policy.
             tokenizer: its tokenizer.
+            reference: the policy's reference model (None: ``model`` is a reward model).
             batch_size: texts per forward pass.
 
         Returns:
             ``[m]`` margins.
         """
+        if reference is None:
+            return self._rewards(model, tokenizer, self.chosen, batch_size) - \
+                self._rewards(model, tokenizer, self.rejected, batch_size)
+        chosen = self._log_probs(model, tokenizer, self.chosen) - self._log_probs(reference, tokenizer, self.chosen)
+        rejected = self._log_probs(model, tokenizer, self.rejected) - self._log_probs(reference, tokenizer, self.rejected)
+        return chosen - rejected
+
+    def _rewards(self, model: torch.nn.Module, tokenizer: Any, texts: List[str], batch_size: int) -> np.ndarray:
+        """The reward model's output on ``prompt + text + EOS`` for each text."""
         model.eval()
         device = next(model.parameters()).device
-        eos = tokenizer.eos_token or ""
+        eos, out = tokenizer.eos_token or "", []
+        for i in range(0, len(texts), batch_size):
+            batch = tokenizer([self.prompt + t + eos for t in texts[i:i + batch_size]], return_tensors="pt",
+                              padding=True, add_special_tokens=False).to(device)
+            out.append(model(**batch).logits[:, 0].float().cpu())
+        return torch.cat(out).double().numpy()
 
-        def rewards(texts: List[str]) -> np.ndarray:
-            out = []
-            for i in range(0, len(texts), batch_size):
-                batch = tokenizer([self.prompt + t + eos for t in texts[i:i + batch_size]], return_tensors="pt",
-                                  padding=True, add_special_tokens=False).to(device)
-                out.append(model(**batch).logits[:, 0].float().cpu())
-            return torch.cat(out).double().numpy()
-
-        return rewards(self.chosen) - rewards(self.rejected)
+    def _log_probs(self, model: torch.nn.Module, tokenizer: Any, texts: List[str]) -> np.ndarray:
+        """``log π(text + EOS | prompt)`` under a causal LM, one sequence at a time."""
+        model.eval()
+        device = next(model.parameters()).device
+        prompt = tokenizer(self.prompt, add_special_tokens=False)["input_ids"]
+        if tokenizer.bos_token_id is not None:
+            prompt = [tokenizer.bos_token_id] + prompt
+        out = []
+        for text in texts:
+            completion = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids = torch.tensor([prompt + completion], device=device)
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+            out.append(float(torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None]).sum()))
+        return np.array(out, dtype=np.float64)
 
     def audit(self, model: torch.nn.Module, tokenizer: Any, *, delta: float, epsilon_claimed: float,
-              confidence: float = 0.95, settings: Optional[Dict[str, Any]] = None) -> AuditReport:
-        """Score the canaries on a trained reward model and bound its ε (one run, Steinke et al. 2023).
+              reference: Optional[torch.nn.Module] = None, confidence: float = 0.95,
+              settings: Optional[Dict[str, Any]] = None) -> AuditReport:
+        """Score the canaries on a trained reward model or DPO policy and bound its ε (one run, Steinke et al. 2023).
 
         Args:
-            model: the reward model trained on the real users and the included canaries.
+            model: the reward model or policy trained on the real users and the included canaries.
             tokenizer: its tokenizer.
+            reference: a policy's reference model (None: ``model`` is a reward model).
             delta: the run's δ.
             epsilon_claimed: the ε its privacy report states (``math.inf`` without privacy).
             confidence: the confidence of the bound.
@@ -166,13 +191,15 @@ class PreferenceCanaries:
         Returns:
             The :class:`~trl_userdp.audit.report.AuditReport`.
         """
-        scores = self.scores(model, tokenizer)
+        scores = self.scores(model, tokenizer, reference)
         found = audit_scores(scores, self.draw.included, delta, confidence)
         included = self.draw.included
         return AuditReport(
             epsilon_lower=found.epsilon_lower, epsilon_claimed=epsilon_claimed, delta=delta, confidence=confidence,
             canaries=self.draw.m, canaries_in=int(included.sum()), guesses=found.guesses.guesses,
-            correct=found.guesses.correct, auditor="black-box preference canary users, score: the reward margin",
+            correct=found.guesses.correct,
+            auditor="black-box preference canary users, score: the " + ("reward margin" if reference is None else
+                                                                         "implicit reward margin (DPO)"),
             settings={**(settings or {}), "pairs_per_user": self.pairs_per_user, "k_in": found.guesses.k_in,
                       "k_out": found.guesses.k_out, "abstentions_tried": list(found.tried)},
             scores_in=scores[included].tolist(), scores_out=scores[~included].tolist())
