@@ -157,6 +157,7 @@ def audit_gradient_canaries(
     previous = model.weight.detach().double().flatten().clone()
     bar = tqdm(total=steps, desc="audit steps", disable=not progress)
     while engine.steps_accounted() < steps:  # the loader yields epochs of round(1/q) steps
+        before = engine.steps_accounted()
         for i, (x, w) in enumerate(loader):
             if i % micro_batches == 0:
                 optimizer.zero_grad()
@@ -173,6 +174,8 @@ def audit_gradient_canaries(
             bar.update(1)
             if engine.steps_accounted() == steps:
                 break
+        if engine.steps_accounted() == before:  # a loader that stops early (a halted mechanism) would loop forever
+            raise ValueError(f"The run stopped after {before} of {steps} steps; audit a mechanism that takes them all.")
     bar.close()
     audit = audit_scores(scores, draw.included, delta, confidence)
     settings = {"mechanism": engine.mechanism.report_name, "grad_sample_mode": grad_sample_mode,
