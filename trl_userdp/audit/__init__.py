@@ -1,6 +1,6 @@
 """One-run user-level privacy auditing (Steinke, Nasr and Jagielski 2023; docs/audit.md): canary users, each in the
-training data by a secret draw of probability ½, the one-run lower bound on ε from guesses of which were in, and the
-white-box audit of the engine as implemented."""
+training data by a secret draw of probability ½, the one-run lower bound on ε from guesses of which were in, the
+white-box audit of the engine as implemented, and the black-box audit of a trained reward model or DPO policy."""
 
 from .blackbox import PreferenceCanaries
 from .bounds import Guesses, ScoreAudit, audit_scores, epsilon_lower_bound, guess, p_value
