@@ -109,7 +109,7 @@ def ranks():
     """Each case's result on both ranks: {case: [rank 0's, rank 1's]}."""
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, d), nprocs=2, join=True)
-        yield {case: [torch.load(Path(d) / f"{case}{r}.pt", weights_only=False) for r in range(2)] for case in CASES}
+        yield {case: [torch.load(Path(d) / f"{case}{r}.pt") for r in range(2)] for case in CASES}
 
 
 @pytest.mark.parametrize("case,clip,upb", [("exact", 1e6, UPB), ("clip", 0.01, 2.0), ("nan", 0.01, 2.0),

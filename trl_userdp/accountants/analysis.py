@@ -280,17 +280,6 @@ class _RememberingAccountant(dpa.PrivacyAccountant):
             self._memo[key] = self._make().compose(self.ledger).get_epsilon(target_delta)
         return self._memo[key]
 
-    def get_delta(self, target_epsilon: float) -> float:
-        """δ at ``target_epsilon`` of the events composed so far.
-
-        Args:
-            target_epsilon: ε.
-
-        Returns:
-            δ, as the accountant of ``make()`` computes it.
-        """
-        return self._make().compose(self.ledger).get_delta(target_epsilon)
-
 
 def calibrate_noise_multiplier(
     make_event: Callable[[float], dpa.DpEvent],

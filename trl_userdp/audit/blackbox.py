@@ -20,17 +20,34 @@ from .canaries import CanaryDraw
 from .report import AuditReport
 
 
-def _whole_tokens(tokenizer: Any) -> List[int]:
-    """The tokens that stand for a printable text of their own: not special, and read back as themselves (a byte-level
-    token holding part of a character decodes to "\ufffd", which many tokens share)."""
+def _whole_tokens(tokenizer: Any, needed: int, rng: np.random.Generator) -> np.ndarray:
+    """``needed`` tokens in a random order, each standing for a printable text of its own: not special, and read back
+    as itself (a byte-level token holding part of a character decodes to "\ufffd", which many tokens share). Distinct
+    while the vocabulary has that many; then drawn again from those it has.
+
+    Args:
+        tokenizer: the tokenizer.
+        needed: how many tokens.
+        rng: the source of the order.
+
+    Returns:
+        ``[needed]`` token ids.
+
+    Raises:
+        ValueError: the vocabulary has no such token.
+    """
     special = set(tokenizer.all_special_ids)
     whole = []
-    for i in range(len(tokenizer)):
+    for i in rng.permutation(len(tokenizer)).tolist():  # stops as soon as it has enough: a vocabulary can be large
         text = tokenizer.decode([i])
         if i not in special and text.strip() and text.isprintable() and "\ufffd" not in text \
                 and tokenizer(text, add_special_tokens=False)["input_ids"] == [i]:
             whole.append(i)
-    return whole
+            if len(whole) == needed:
+                return np.array(whole)
+    if not whole:
+        raise ValueError("The tokenizer has no token that reads back as itself to write canary pairs with.")
+    return rng.choice(np.array(whole), needed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +88,7 @@ class PreferenceCanaries:
             The canaries.
         """
         draw = CanaryDraw.draw(m, seed)
-        rng = np.random.default_rng([draw.seed, 1])
-        vocabulary = np.array(_whole_tokens(tokenizer))
-        needed = 2 * m * tokens
-        ids = rng.permutation(vocabulary)[:needed] if needed <= len(vocabulary) else rng.choice(vocabulary, needed)
+        ids = _whole_tokens(tokenizer, 2 * m * tokens, np.random.default_rng([draw.seed, 1]))
         texts = [tokenizer.decode(row.tolist()) for row in ids.reshape(2 * m, tokens)]
         return cls(draw, prompt, texts[:m], texts[m:], pairs_per_user, user_prefix)
 

@@ -372,8 +372,10 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         return self._privacy.report(self)
 
     def _write_privacy_files(self, output_dir: str, with_state: bool) -> None:
+        if not self.is_world_process_zero():
+            return
         report = self._privacy.report(self)
-        if not self.is_world_process_zero() or report is None:
+        if report is None:  # no private step set up yet
             return
         report.save(output_dir)
         self.model.privacy_report = report  # travels with the model object (e.g. into online RL)
