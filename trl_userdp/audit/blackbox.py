@@ -15,8 +15,10 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from ..accountants.accountant import DPAccountingAccountant
 from .bounds import audit_scores
 from .canaries import CanaryDraw
+from .fdp import audit_curve, run_curves
 from .report import AuditReport
 
 
@@ -190,8 +192,9 @@ class PreferenceCanaries:
 
     def audit(self, model: torch.nn.Module, tokenizer: Any, *, delta: float, epsilon_claimed: float,
               reference: Optional[torch.nn.Module] = None, confidence: float = 0.95,
-              settings: Optional[Dict[str, Any]] = None) -> AuditReport:
-        """Score the canaries on a trained reward model or DPO policy and bound its ε (one run, Steinke et al. 2023).
+              settings: Optional[Dict[str, Any]] = None,
+              accountant: Optional[DPAccountingAccountant] = None) -> AuditReport:
+        """Score the canaries on a trained reward model or DPO policy and bound its ε (one run: Steinke et al. 2023, and the f-DP audit of Mahloujifar et al. 2024 given the accountant).
 
         Args:
             model: the reward model or policy trained on the real users and the included canaries.
@@ -201,6 +204,8 @@ class PreferenceCanaries:
             epsilon_claimed: the ε its privacy report states (``math.inf`` without privacy).
             confidence: the confidence of the bound.
             settings: the run's settings, for the report.
+            accountant: the run's accountant: with Gaussian noise (σ > 0), the f-DP audit of its curve runs too
+                (:func:`~trl_userdp.audit.fdp.audit_curve`).
 
         Returns:
             The :class:`~trl_userdp.audit.report.AuditReport`.
@@ -208,6 +213,9 @@ class PreferenceCanaries:
         scores = self.scores(model, tokenizer, reference)
         found = audit_scores(scores, self.draw.included, delta, confidence)
         included = self.draw.included
+        curve = None
+        if accountant is not None and any(sigma > 0 for sigma, _, _ in accountant.history):
+            curve = audit_curve(scores, included, run_curves(accountant, delta), confidence)
         return AuditReport(
             epsilon_lower=found.epsilon_lower, epsilon_claimed=epsilon_claimed, delta=delta, confidence=confidence,
             canaries=self.draw.m, canaries_in=int(included.sum()), guesses=found.guesses.guesses,
@@ -216,4 +224,6 @@ class PreferenceCanaries:
                                                                          "implicit reward margin (DPO)"),
             settings={**(settings or {}), "pairs_per_user": self.pairs_per_user, "k_in": found.guesses.k_in,
                       "k_out": found.guesses.k_out, "abstentions_tried": list(found.tried)},
-            scores_in=scores[included].tolist(), scores_out=scores[~included].tolist())
+            scores_in=scores[included].tolist(), scores_out=scores[~included].tolist(),
+            epsilon_lower_fdp=None if curve is None else curve.epsilon_lower,
+            fdp_claim_rejected=None if curve is None else curve.claim_rejected)

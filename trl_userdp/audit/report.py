@@ -29,6 +29,9 @@ class AuditReport:
         settings: the run's path and privacy settings (mechanism, grad_sample_mode, precision, σ, q, T, ...).
         scores_in: the scores of the canaries that were in.
         scores_out: the scores of those that were out.
+        epsilon_lower_fdp: the f-DP audit's bound: ε of the weakest claim "the same run at a noise scale" its
+            guesses reject (:func:`~trl_userdp.audit.fdp.audit_curve`; None where it was not run).
+        fdp_claim_rejected: whether the f-DP audit rejects the run's own trade-off curve (its accountant's claim).
     """
 
     epsilon_lower: float
@@ -43,11 +46,14 @@ class AuditReport:
     settings: Dict[str, Any] = dataclasses.field(default_factory=dict)
     scores_in: List[float] = dataclasses.field(default_factory=list)
     scores_out: List[float] = dataclasses.field(default_factory=list)
+    epsilon_lower_fdp: Optional[float] = None
+    fdp_claim_rejected: Optional[bool] = None
 
     @property
     def consistent(self) -> bool:
-        """Whether the audit is consistent with the claim (the lower bound does not exceed it)."""
-        return self.epsilon_lower <= self.epsilon_claimed
+        """Whether the audit is consistent with the claim: the lower bound does not exceed it, and the f-DP audit (if
+        run) does not reject the claimed curve. Each test errs with probability at most ``1 − confidence``."""
+        return self.epsilon_lower <= self.epsilon_claimed and not self.fdp_claim_rejected
 
     def summary(self) -> str:
         """One line: the claim, the audited bound, its confidence and the guesses behind it.
@@ -56,9 +62,12 @@ class AuditReport:
             The line.
         """
         verdict = "consistent with the claim" if self.consistent else "ABOVE the claim: the run leaks more than it says"
+        fdp = "" if self.epsilon_lower_fdp is None else (
+            f"; f-DP: claimed curve {'REJECTED' if self.fdp_claim_rejected else 'not rejected'}, "
+            f"{self.epsilon_lower_fdp:.3g} in its family")
         return (f"ε claimed {self.epsilon_claimed:.3g}, audited lower bound {self.epsilon_lower:.3g} at "
                 f"{self.confidence:.0%} (δ = {self.delta:g}; {self.correct} of {self.guesses} guesses right on "
-                f"{self.canaries} canary users): {verdict}")
+                f"{self.canaries} canary users{fdp}): {verdict}")
 
     def to_dict(self) -> Dict[str, Any]:
         """The report as JSON-serialisable values (an infinite claimed ε as ``"inf"``).

@@ -24,6 +24,7 @@ from ..privacy_engine import PrivacyEngine
 from ..seeding import derive_seed
 from .bounds import audit_scores
 from .canaries import CanaryDraw
+from .fdp import audit_curve, run_curves
 from .report import AuditReport
 
 #: the canaries' loss scale, as a multiple of the clip: every canary user is clipped, whatever its rows
@@ -86,11 +87,13 @@ def audit_gradient_canaries(
     confidence: float = 0.95,
     seed: Optional[int] = None,
     accountant: str = "pld",
+    fdp: bool = True,
     before_training: Optional[Callable[[PrivacyEngine, Any], None]] = None,
     progress: bool = False,
 ) -> AuditReport:
     """Train ``n_canaries`` gradient canary users, each in by a secret draw of probability ½, through the engine, and
-    audit the run's ε (Steinke et al. 2023's one-run bound, :func:`~trl_userdp.audit.bounds.audit_scores`).
+    audit the run's ε (Steinke et al. 2023's one-run bound, :func:`~trl_userdp.audit.bounds.audit_scores`, and the
+    f-DP audit of the run's curve, :func:`~trl_userdp.audit.fdp.audit_curve`).
 
     Args:
         n_canaries: m, the canary users (the model has one coordinate each).
@@ -113,6 +116,8 @@ def audit_gradient_canaries(
         seed: seeds the draw, the sampling and the noise (None: the OS; a seeded audit is reproducible, and its seed
             a secret of the auditor's).
         accountant: the engine's accountant.
+        fdp: also run the f-DP audit of the run's own trade-off curve (:func:`~trl_userdp.audit.fdp.audit_curve`;
+            runs with σ > 0 only).
         before_training: called with the engine and the private optimizer before the first step (e.g. to break the
             run on purpose, and see the audit catch it).
         progress: show a progress bar over the steps.
@@ -178,6 +183,8 @@ def audit_gradient_canaries(
             raise ValueError(f"The run stopped after {before} of {steps} steps; audit a mechanism that takes them all.")
     bar.close()
     audit = audit_scores(scores, draw.included, delta, confidence)
+    curve = audit_curve(scores, draw.included, run_curves(engine.accountant, delta), confidence) \
+        if fdp and sigma > 0 else None
     settings = {"mechanism": engine.mechanism.report_name, "grad_sample_mode": grad_sample_mode,
                 "dtype": str(dtype).replace("torch.", ""), "micro_batches": micro_batches,
                 "noise_multiplier": sigma, "sample_rate": loader.sample_rate, "steps": engine.steps_accounted(),
@@ -188,4 +195,6 @@ def audit_gradient_canaries(
         epsilon_lower=audit.epsilon_lower, epsilon_claimed=engine.get_epsilon(delta), delta=delta,
         confidence=confidence, canaries=n_canaries, canaries_in=len(members), guesses=audit.guesses.guesses,
         correct=audit.guesses.correct, auditor=f"white-box gradient canary users, score: {score}", settings=settings,
-        scores_in=scores[draw.included].tolist(), scores_out=scores[~draw.included].tolist())
+        scores_in=scores[draw.included].tolist(), scores_out=scores[~draw.included].tolist(),
+        epsilon_lower_fdp=None if curve is None else curve.epsilon_lower,
+        fdp_claim_rejected=None if curve is None else curve.claim_rejected)

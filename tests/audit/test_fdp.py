@@ -1,0 +1,118 @@
+"""The f-DP audit (Mahloujifar et al. 2024): the curve read from the accountant against μ-GDP's closed form, the test
+against games whose true curve is known (it keeps its level), and its power where Steinke et al.'s bound saturates."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from trl_userdp.accountants.accountant import DPPldAccountant
+from trl_userdp.audit.bounds import audit_scores, gaussian_epsilon, gaussian_game, randomized_response_game
+from trl_userdp.audit.fdp import TradeOffCurve, audit_curve, rejects, run_curves
+
+
+def full_batch_accountant(epsilon: float, steps: int = 10) -> DPPldAccountant:
+    """The accountant of ``steps`` full-batch steps (q = 1) calibrated to ε at δ = 1e-5: μ-GDP with μ = √T/σ."""
+    accountant = DPPldAccountant()
+    sigma = accountant.calibrate(epsilon, 1e-5, sample_rate=1.0, steps=steps)
+    for _ in range(steps):
+        accountant.step(noise_multiplier=sigma, sample_rate=1.0)
+    return accountant
+
+
+def gdp_curve(mu: float):
+    """Dong, Roth and Su 2022, Def. 2.7: ``G_μ(α) = Φ(Φ⁻¹(1 − α) − μ)``."""
+    return lambda alpha: stats.norm.cdf(stats.norm.ppf(1 - alpha) - mu)
+
+
+def gdp_rejects(mu: float, m: int, guesses: int, correct: int, significance: float) -> bool:
+    """The paper's recursion written with the Gaussian blow-up inverse ``Φ(Φ⁻¹(x) − μ)`` in closed form."""
+    r, h = significance * correct / m, significance * (guesses - correct) / m
+    for i in range(correct - 1, -1, -1):
+        h_new = max(h, stats.norm.cdf(stats.norm.ppf(r) - mu))
+        r, h = min(r + i / (guesses - i) * (h_new - h), 1.0), h_new
+    return r + h > guesses / m
+
+
+def test_the_accountants_curve_is_mu_gdp_from_below_for_a_full_batch_run():
+    """T full-batch steps at σ are μ-GDP with μ = √T/σ: the curve read from the PLD profile lies on G_μ (within the
+    grid's and the discretisation's error) and never above it (a lower trade-off curve is a weaker, sound claim)."""
+    accountant = full_batch_accountant(2.0)
+    mu = math.sqrt(10) / accountant.history[0][0]
+    curve, epsilon = run_curves(accountant, 1e-5)(1.0)
+    assert epsilon == pytest.approx(2.0, abs=0.02)
+    alphas = np.linspace(0.0, 1.0, 41)
+    ours, exact = np.array([curve(a) for a in alphas]), gdp_curve(mu)(alphas)
+    assert np.all(ours <= exact + 1e-9) and np.max(exact - ours) < 0.01
+    assert TradeOffCurve.epsilon_delta(1.0, 0.1)(0.2) == pytest.approx(max(0.9 - math.e * 0.2, (0.9 - 0.2) / math.e))
+
+
+@pytest.mark.parametrize("guesses,correct", [(50, 40), (100, 74), (200, 150), (500, 314), (20, 19)])
+def test_the_recursion_decides_as_the_closed_form_gaussian_one(guesses, correct):
+    """On μ-GDP's closed-form curve the generic recursion (blow-up inverse ``y ↦ f(1 − y)``) decides every claim as the
+    recursion written with ``Φ(Φ⁻¹(x) − μ)``."""
+    for mu in (0.2, 0.5, 1.0, 2.0):
+        alphas = np.linspace(0, 1, 2001)
+        exact = gdp_curve(mu)(alphas)
+        # the profile of G_μ (Dong et al. Cor. 2.13) on a fine ε grid: its envelope is G_μ to grid accuracy
+        eps = np.linspace(0, 12, 1200)
+        deltas = stats.norm.cdf(-eps / mu + mu / 2) - np.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+        grid = TradeOffCurve(eps, deltas)
+        assert np.max(np.abs(np.array([grid(a) for a in alphas[::50]]) - exact[::50])) < 2e-3
+        assert rejects(grid, 1000, guesses, correct, 0.05) == gdp_rejects(mu, 1000, guesses, correct, 0.05)
+
+
+def test_a_true_claim_is_rejected_at_most_at_the_tests_level():
+    """Randomized response per canary is exactly ε-DP, i.e. f_{ε,0}-DP; the Gaussian game with mean shift μ is exactly
+    G_μ-DP. Over 300 runs of each, 100 canaries, the true claim is rejected in at most 5% (plus binomial slack)."""
+    rng = np.random.default_rng(0)
+    slack = stats.binom.ppf(0.999, 300, 0.05)
+    rr = TradeOffCurve.epsilon_delta(1.0, 0.0)
+    eps = np.linspace(0, 12, 1200)
+    gauss = TradeOffCurve(eps, stats.norm.cdf(-eps + 0.5) - np.exp(eps) * stats.norm.cdf(-eps - 0.5))  # μ = 1
+    for curve, game in ((rr, lambda: randomized_response_game(100, 1.0, rng)),
+                        (gauss, lambda: gaussian_game(100, 1.0, rng))):
+        rejected = 0
+        for _ in range(300):
+            scores, included = game()
+            order = np.argsort(-scores)
+            rejected += any(rejects(curve, 100, k, int(included[order[:k]].sum()), 0.05 / 3) for k in (10, 25, 50))
+        assert rejected <= slack
+
+
+@pytest.mark.parametrize("epsilon", [2.0, 8.0])
+def test_an_honest_full_batch_run_is_not_rejected_and_its_bound_stays_below(epsilon):
+    """The Gaussian game of the run's μ, 1,000 canaries, 6 seeds: the claimed curve survives, and the bound in the
+    family stays below the claim; at ε = 8, where Steinke et al.'s bound saturates (it cannot pass ~log of the
+    guesses' odds), the f-DP bound is higher on average."""
+    accountant = full_batch_accountant(epsilon)
+    mu = math.sqrt(10) / accountant.history[0][0]
+    curves = run_curves(accountant, 1e-5)
+    audits, steinke = [], []
+    for seed in range(6):
+        scores, included = gaussian_game(1000, mu, np.random.default_rng(seed))
+        audits.append(audit_curve(scores, included, curves))
+        steinke.append(audit_scores(scores, included, 1e-5).epsilon_lower)
+    assert not any(a.claim_rejected for a in audits)
+    assert all(0 <= a.epsilon_lower <= epsilon for a in audits) and gaussian_epsilon(mu, 1e-5) == pytest.approx(
+        epsilon, abs=0.05)
+    if epsilon == 8.0:
+        assert np.mean([a.epsilon_lower for a in audits]) > np.mean(steinke)
+
+
+def test_a_run_with_a_quarter_of_its_noise_is_rejected():
+    accountant = full_batch_accountant(2.0)
+    mu = math.sqrt(10) / accountant.history[0][0]
+    scores, included = gaussian_game(1000, 4 * mu, np.random.default_rng(0))
+    audit = audit_curve(scores, included, run_curves(accountant, 1e-5))
+    assert audit.claim_rejected and audit.epsilon_lower > 2.0 and audit.scale < 1.0
+
+
+def test_a_run_without_noise_has_no_curve_to_scale():
+    accountant = DPPldAccountant()
+    accountant.step(noise_multiplier=0.0, sample_rate=1.0)
+    with pytest.raises(ValueError, match="σ > 0"):
+        run_curves(accountant, 1e-5)
+    with pytest.raises(ValueError, match="correct <= guesses"):
+        rejects(TradeOffCurve.epsilon_delta(1.0, 0.0), 10, 5, 6, 0.05)
