@@ -116,3 +116,25 @@ def test_audit_writes_its_report_draw_and_plot_and_says_so_in_one_line(tmp_path,
     assert main(["audit", "--auditor", "whitebox", "--privacy_mechanism", "randomized_response",
                  "--output_dir", str(tmp_path / "rr")]) == 2
     assert "audits gradient mechanisms" in capsys.readouterr().err
+    assert main(["audit", "--auditor", "whitebox", "--trainer", "dpo", "--output_dir", str(tmp_path / "x")]) == 2
+    assert "--auditor whitebox audits the engine" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mechanism", ["none", "user_dpsgd"])
+def test_audit_of_a_dpo_policy_reads_its_implicit_reward_margins(mechanism, tmp_path, capsys):
+    """`trl-userdp audit --trainer dpo`: the tiny policy trained by UserDPDPOTrainer on the embedded pairs (prompt
+    "Review:") and the canary users; without privacy it gives them away, with user-wise DP-SGD at ε = 4 the audit stays
+    below the claim and the f-DP audit does not reject the accountant's curve."""
+    from trl_userdp.audit import AuditReport
+
+    privacy = ["--target_epsilon", "4", "--users_per_batch", "16"] if mechanism != "none" else []
+    assert main(["audit", "--trainer", "dpo", "--privacy_mechanism", mechanism, "--n_users", "20", "--canaries", "60",
+                 "--max_steps", "60", "--audit_seed", "0", "--output_dir", str(tmp_path), *privacy]) == 0
+    report = AuditReport.load(str(tmp_path))
+    assert report.settings["trainer"] == "dpo" and "implicit reward margin" in report.auditor
+    if mechanism == "none":
+        assert report.epsilon_lower >= 1.0 and report.epsilon_lower_fdp is None, report.summary()
+    else:
+        assert report.consistent and report.fdp_claim_rejected is False, report.summary()
+        assert "f-DP audit of the claimed curve: not rejected" in capsys.readouterr().out

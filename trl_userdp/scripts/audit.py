@@ -1,7 +1,8 @@
 """``trl-userdp audit``: audit a private run in one training run (docs/audit.md). ``--auditor blackbox`` trains a
-reward model (:class:`~trl_userdp.trainers.UserDPRewardTrainer`, the reward command's privacy options) on the data
-plus canary users drawn in by a secret coin, and bounds ε from the model's margins on their pairs; ``--auditor
-whitebox`` trains gradient canary users through the engine with the same privacy options.
+reward model (:class:`~trl_userdp.trainers.UserDPRewardTrainer`, the reward command's privacy options) or, with
+``--trainer dpo``, a DPO policy (:class:`~trl_userdp.trainers.UserDPDPOTrainer`) on the data plus canary users drawn
+in by a secret coin, and bounds ε from the model's margins on their pairs; ``--auditor whitebox`` trains gradient
+canary users through the engine with the same privacy options.
 
 ```bash
 python -m trl_userdp.scripts.audit --privacy_mechanism user_dpsgd --target_epsilon 8 --output_dir runs/audit
@@ -25,6 +26,9 @@ DEFAULTS = {"output_dir": "runs/audit", "n_users": 100, "pairs_per_user": 4, "ma
             "per_device_train_batch_size": 16, "learning_rate": 3e-2, "max_steps": 150, "logging_steps": 50,
             "save_strategy": "no", "report_to": [], "use_cpu": True}
 AUDITORS = ("blackbox", "whitebox")
+TRAINERS = ("reward", "dpo")
+#: the prompt of the DPO canary pairs (the embedded pairs' prompt)
+DPO_CANARY_PROMPT = "Review:"
 
 
 @dataclasses.dataclass
@@ -35,6 +39,10 @@ class AuditArguments:
         "help": "blackbox: a reward model trained on the data and the canary users, scored by its margins; "
                 "whitebox: gradient canary users through the engine (the path's options: --grad_sample_mode …).",
         "choices": list(AUDITORS)})
+    trainer: str = dataclasses.field(default="reward", metadata={
+        "help": "blackbox: the model audited, a reward model (UserDPRewardTrainer) or a DPO policy (UserDPDPOTrainer, "
+                "scored by its implicit reward margin against its reference).", "choices": list(TRAINERS)})
+    beta: float = dataclasses.field(default=0.1, metadata={"help": "--trainer dpo: DPO's β."})
     canaries: int = dataclasses.field(default=200, metadata={"help": "Canary users m (each in with probability ½)."})
     canary_pairs: int = dataclasses.field(default=4, metadata={"help": "blackbox: records of each canary user."})
     canary_tokens: int = dataclasses.field(default=1, metadata={"help": "blackbox: tokens of each canary string."})
@@ -57,13 +65,71 @@ def _small_reward_model(seed: int):
     return LlamaForSequenceClassification(config), tokenizer
 
 
+def _dpo_config(training_args):
+    """The DPO config of an audit: the reward config's options (privacy, optimisation, output) that DPO shares."""
+    from ..trainers import UserDPDPOConfig  # lazy: transformers' Trainer and TRL's trainers
+
+    fields = {f.name for f in dataclasses.fields(UserDPDPOConfig) if f.init}
+    return UserDPDPOConfig(**{f.name: getattr(training_args, f.name) for f in dataclasses.fields(training_args)
+                              if f.init and f.name in fields})
+
+
+def _blackbox(script_args: UserDataArguments, training_args, audit_args: AuditArguments):
+    """Train the reward model or DPO policy on the data and the included canary users, and audit it.
+
+    Returns:
+        ``(report, draw)``.
+    """
+    import copy
+
+    from ..audit import PreferenceCanaries
+
+    dpo = audit_args.trainer == "dpo"
+    train, _ = _load_data(script_args, training_args, for_dpo=dpo)
+    if dpo and not isinstance(train[0].get("prompt"), str):
+        raise ValueError("--trainer dpo audits datasets whose prompts are strings (the canary pairs are written as "
+                         "text); this dataset's are not.")
+    if dpo:
+        from ..experiments.imdb import public_corpus
+        from ..experiments.pipeline import small_causal_lm
+        from ..trainers import UserDPDPOTrainer
+
+        training_args = _dpo_config(training_args)
+        training_args.beta = audit_args.beta
+        model, tokenizer = small_causal_lm(public_corpus(), seed=training_args.seed)
+        reference = copy.deepcopy(model).eval()
+    else:
+        from ..trainers import UserDPRewardTrainer
+
+        model, tokenizer = _small_reward_model(training_args.seed)
+        reference = None
+    canaries = PreferenceCanaries.make(tokenizer, audit_args.canaries, tokens=audit_args.canary_tokens,
+                                       pairs_per_user=audit_args.canary_pairs, seed=audit_args.audit_seed,
+                                       prompt=DPO_CANARY_PROMPT if dpo else "")
+    data = canaries.add_to(train, training_args.user_column)
+    trainer = UserDPDPOTrainer(model=model, ref_model=reference, args=training_args, train_dataset=data,
+                               processing_class=tokenizer) if dpo else \
+        UserDPRewardTrainer(model=model, args=training_args, train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    engine = getattr(trainer, "privacy_engine", None)
+    report = canaries.audit(trainer.model, tokenizer, delta=training_args.target_delta,
+                            epsilon_claimed=trainer.privacy_report().epsilon, reference=reference,
+                            confidence=audit_args.confidence,
+                            accountant=getattr(engine, "accountant", None),
+                            settings={"mechanism": training_args.privacy_mechanism, "trainer": audit_args.trainer,
+                                      "steps": trainer.state.global_step,
+                                      "real_users": len(set(train[training_args.user_column]))})
+    return report, canaries.draw
+
+
 def main(script_args: UserDataArguments, training_args, audit_args: AuditArguments) -> int:
     """Run the audit, write ``audit_report.json``, ``canary_draw.json`` and ``scores.png``, print one line.
 
     Args:
         script_args: the real users' data (:class:`~trl_userdp.scripts.utils.UserDataArguments`; the embedded IMDb
             pairs by default).
-        training_args: a :class:`~trl_userdp.trainers.UserDPRewardConfig` (the run under audit).
+        training_args: a :class:`~trl_userdp.trainers.UserDPRewardConfig` (the run under audit; its shared options
+            make the :class:`~trl_userdp.trainers.UserDPDPOConfig` of ``--trainer dpo``).
         audit_args: the audit's options.
 
     Returns:
@@ -72,12 +138,14 @@ def main(script_args: UserDataArguments, training_args, audit_args: AuditArgumen
     Raises:
         ValueError: bad options or data.
     """
-    from ..audit import PreferenceCanaries, audit_gradient_canaries  # lazy: the engines and transformers
+    from ..audit import audit_gradient_canaries  # lazy: the engines and transformers
     from ..mechanisms import get_mechanism
 
     out = training_args.output_dir
     delta = training_args.target_delta
     if audit_args.auditor == "whitebox":
+        if audit_args.trainer != "reward":
+            raise ValueError("--trainer chooses the model of --auditor blackbox; --auditor whitebox audits the engine.")
         mechanism = get_mechanism(training_args.privacy_mechanism)
         if mechanism.kind != "gradient":
             raise ValueError(f"--auditor whitebox audits gradient mechanisms; {training_args.privacy_mechanism!r} is "
@@ -90,31 +158,17 @@ def main(script_args: UserDataArguments, training_args, audit_args: AuditArgumen
             seed=audit_args.audit_seed, accountant=training_args.accountant, progress=True)
         draw = None
     else:
-        from ..trainers import UserDPRewardTrainer
-
-        train, _ = _load_data(script_args, training_args)
-        model, tokenizer = _small_reward_model(training_args.seed)
-        canaries = PreferenceCanaries.make(tokenizer, audit_args.canaries, tokens=audit_args.canary_tokens,
-                                           pairs_per_user=audit_args.canary_pairs, seed=audit_args.audit_seed)
-        trainer = UserDPRewardTrainer(model=model, args=training_args,
-                                      train_dataset=canaries.add_to(train, training_args.user_column),
-                                      processing_class=tokenizer)
-        trainer.train()
-        claimed = trainer.privacy_report().epsilon
-        report = canaries.audit(trainer.model, tokenizer, delta=delta, epsilon_claimed=claimed,
-                                confidence=audit_args.confidence,
-                                settings={"mechanism": training_args.privacy_mechanism,
-                                          "steps": trainer.state.global_step,
-                                          "real_users": len(set(train[training_args.user_column]))})
-        draw = canaries.draw
+        report, draw = _blackbox(script_args, training_args, audit_args)
     os.makedirs(out, exist_ok=True)
     report.save(out)
     report.plot(os.path.join(out, "scores.png"))
     if draw is not None:  # the auditor's secret: this folder holds no model
         draw.save(out)
     claimed = "∞" if math.isinf(report.epsilon_claimed) else f"{report.epsilon_claimed:.3g}"
+    fdp = "" if report.epsilon_lower_fdp is None else (
+        f"; f-DP audit of the claimed curve: {'REJECTED' if report.fdp_claim_rejected else 'not rejected'}")
     print(f"ε claimed {claimed}, audited lower bound {report.epsilon_lower:.3g} at {report.confidence:.0%} "
-          f"({report.correct} of {report.guesses} guesses right on {report.canaries} canary users)")
+          f"({report.correct} of {report.guesses} guesses right on {report.canaries} canary users{fdp})")
     print(f"trl-userdp: audit_report.json and scores.png written to {out}")
     return 0
 
