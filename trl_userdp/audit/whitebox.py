@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
@@ -95,6 +96,9 @@ def audit_gradient_canaries(
     audit the run's ε (Steinke et al. 2023's one-run bound, :func:`~trl_userdp.audit.bounds.audit_scores`, and the
     f-DP audit of the run's curve, :func:`~trl_userdp.audit.fdp.audit_curve`).
 
+    Under data parallelism (a process group initialised, every process calling this with the same arguments) the
+    engine shards the canary users by id across the processes, as any users; every process gets the same report.
+
     Args:
         n_canaries: m, the canary users (the model has one coordinate each).
         steps: T, the private steps.
@@ -108,6 +112,7 @@ def audit_gradient_canaries(
         grad_sample_mode: ``"hooks"``, ``"functorch"`` or ``"ghost"``.
         dtype: the parameters' and inputs' dtype (``torch.bfloat16`` audits the bf16 path).
         micro_batches: each draw in this many micro-batches of whole users.
+
         near_cancelling: adversarial canary users of two rows whose gradients nearly cancel (``±10⁴·C``, average
             ``100·C``), which a norm computed in low precision from the rows can lose: the audit of a path's precision.
         score: ``"sum"`` (each canary's coordinate of the summed updates) or ``"steps"`` (its likelihood ratio over
@@ -159,6 +164,7 @@ def audit_gradient_canaries(
         before_training(engine, optimizer)
     units = getattr(optimizer, "global_expected_batch_size", optimizer.expected_batch_size)
     scores = np.zeros(n_canaries)
+    rows_here = 0  # the canary rows this process trained on (its shard of the users, under data parallelism)
     previous = model.weight.detach().double().flatten().clone()
     bar = tqdm(total=steps, desc="audit steps", disable=not progress)
     while engine.steps_accounted() < steps:  # the loader yields epochs of round(1/q) steps
@@ -167,6 +173,7 @@ def audit_gradient_canaries(
             if i % micro_batches == 0:
                 optimizer.zero_grad()
             clip = float(optimizer.max_grad_norm)  # the clip this step uses (an adaptive clip moves after it)
+            rows_here += len(x)
             if len(x):
                 (-scale * max_grad_norm * (w * model(x)[:, 0]).sum() / len(x)).backward()
             if i % micro_batches < micro_batches - 1:
@@ -189,7 +196,8 @@ def audit_gradient_canaries(
                 "dtype": str(dtype).replace("torch.", ""), "micro_batches": micro_batches,
                 "noise_multiplier": sigma, "sample_rate": loader.sample_rate, "steps": engine.steps_accounted(),
                 "max_grad_norm": max_grad_norm, "rows_per_user": rows_per_user, "accountant": accountant,
-                "near_cancelling": near_cancelling,
+                "near_cancelling": near_cancelling, "rows_on_this_process": rows_here,
+                "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                 "abstentions_tried": list(audit.tried), "k_in": audit.guesses.k_in, "k_out": audit.guesses.k_out}
     return AuditReport(
         epsilon_lower=audit.epsilon_lower, epsilon_claimed=engine.get_epsilon(delta), delta=delta,
