@@ -12,8 +12,15 @@ Rows, each over ``--seeds`` seeds (the canary draw, the sampling and the noise):
 - ``σ/4 (claims σ)`` and ``clip 8× C``: broken runs (a quarter of the noise, users worth 8 times the clip) that
   report the honest ε: the audit must rise above the claim.
 
-    python -m benchmarks.audit                        # 5 seeds, 1,000 canaries, and 10,000 at ε = 2; about 3 min
-    python -m benchmarks.audit --seeds 2 --canaries 200 --large 0
+Each row has Steinke et al.'s bound and the f-DP audit of the run's own curve (:func:`trl_userdp.audit.audit_curve`:
+its ε in the family "the same run at another σ", and how many seeds reject the claimed curve). Extra rows: the honest
+run and the ideal game with ``--large`` canaries at the first ε, and with ``--paper_canaries`` at ε = 4, Steinke et
+al.'s white-box setting (their Wide ResNet on CIFAR-10: ε_lower ≈ 1.8 at ε = 4). ``ceiling`` is the bound's value at
+the ideal game's *expected* counts with the best number of guesses fixed in advance (no union bound): what Steinke et
+al.'s bound can reach on average with that many canaries.
+
+    python -m benchmarks.audit                        # 5 seeds, 1,000 canaries, 10,000 at ε = 2, 5,000 at ε = 4; ~4 min
+    python -m benchmarks.audit --seeds 2 --canaries 200 --large 0 --paper_canaries 0
 """
 
 from __future__ import annotations
@@ -26,9 +33,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, print_table, write_results
+from trl_userdp.accountants.accountant import DPPldAccountant
 from trl_userdp.accountants.events import PoissonGaussian
-from trl_userdp.audit import audit_gradient_canaries, audit_scores
-from trl_userdp.audit.bounds import gaussian_game
+from scipy import optimize, stats
+
+from trl_userdp.audit import audit_curve, audit_gradient_canaries, audit_scores, epsilon_lower_bound, run_curves
+from trl_userdp.audit.bounds import gaussian_epsilon, gaussian_game
+from trl_userdp.audit.fdp import TradeOffCurve, rejects
 from trl_userdp.optimizers import UserDPOptimizer
 
 DELTA = 1e-5
@@ -53,13 +64,82 @@ def quarter_noise(engine, optimizer) -> None:
     optimizer.add_noise = quiet
 
 
+def _full_batch(epsilon: float, steps: int) -> DPPldAccountant:
+    """The accountant of the honest run: T full-batch steps at the σ calibrated to ε."""
+    accountant = DPPldAccountant()
+    sigma = PoissonGaussian().calibrate(epsilon, DELTA, sample_rate=1.0, steps=steps)
+    for _ in range(steps):
+        accountant.step(noise_multiplier=sigma, sample_rate=1.0)
+    return accountant
+
+
+def expected_bounds(mu: float, canaries: int, guesses: Sequence[int], fdp: bool = True) -> Dict[str, float]:
+    """Both bounds at the expected counts of the Gaussian game ``N(μ, 1)`` in, ``N(0, 1)`` out, with the best number
+    of guesses fixed in advance (no union bound): what each reaches on average with ``canaries`` canaries.
+
+    Steinke et al.'s bound guesses half "in" (above a threshold) and half "out" (below its mirror); the f-DP audit
+    guesses "in" only and reports ε of the strongest μ'-GDP claim it rejects.
+
+    Args:
+        mu: the game's mean shift (μ = √T/σ for T full-batch steps).
+        canaries: m.
+        guesses: the numbers of guesses to try.
+        fdp: also the f-DP audit's (0 when not).
+
+    Returns:
+        ``{"steinke": ε, "fdp": ε}``.
+    """
+    def precision(share: float) -> float:  # P[in | above the threshold that keeps `share` of the mixture above]
+        t = optimize.brentq(lambda x: 0.5 * stats.norm.sf(x - mu) + 0.5 * stats.norm.sf(x) - share, -40, 40)
+        return 0.5 * stats.norm.sf(t - mu) / share
+
+    steinke = best_fdp = 0.0
+    for k in guesses:
+        steinke = max(steinke, epsilon_lower_bound(canaries, k, int(round(precision(k / 2 / canaries) * k)), DELTA))
+        if not fdp:
+            continue
+        right = int(round(precision(k / canaries) * k))
+        lo, hi = 1e-3, 20.0  # μ' rejected below, accepted above
+        if not rejects(TradeOffCurve.gaussian(lo), canaries, k, right, 0.05):
+            continue
+        while hi - lo > 1e-3:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if rejects(TradeOffCurve.gaussian(mid), canaries, k, right, 0.05) else (lo, mid)
+        best_fdp = max(best_fdp, gaussian_epsilon(lo, DELTA))
+    return {"steinke": steinke, "fdp": best_fdp}
+
+
+def ceiling(epsilon: float, canaries: int, steps: int) -> float:
+    """Steinke et al.'s bound on average with ``canaries`` canaries, at the best number of guesses
+    (:func:`expected_bounds` of the honest run's μ = √T/σ).
+
+    Args:
+        epsilon: the claimed ε (σ calibrated to it for ``steps`` full-batch steps).
+        canaries: m.
+        steps: T.
+
+    Returns:
+        The bound.
+    """
+    mu = math.sqrt(steps) / PoissonGaussian().calibrate(epsilon, DELTA, sample_rate=1.0, steps=steps)
+    return expected_bounds(mu, canaries, range(10, canaries + 1, max(2, canaries // 200) * 2), fdp=False)["steinke"]
+
+
+#: Mahloujifar et al. 2024, Table 1 (one Gaussian mechanism of noise σ, sensitivity 1, δ = 1e-5): σ, canaries, their
+#: Steinke et al. column, their f-DP column
+PUBLISHED_IDEALIZED = ((2.0, 100_000, 1.33, 1.59), (1.0, 100_000, 2.61, 3.61))
+
+
 def _run(kind: str, epsilon: float, canaries: int, steps: int, seed: int) -> Dict[str, float]:
-    """One audit of ``kind``: its bound and the claim."""
+    """One audit of ``kind``: its bounds and the claim."""
     common = dict(steps=steps, target_epsilon=epsilon, delta=DELTA, seed=seed)
     if kind == "ideal Gaussian game":  # the honest run's σ (T full-batch steps): the sum of updates is N(√T/σ, 1)
-        sigma = PoissonGaussian().calibrate(epsilon, DELTA, sample_rate=1.0, steps=steps)
-        found = audit_scores(*gaussian_game(canaries, math.sqrt(steps) / sigma, np.random.default_rng(seed)), DELTA)
-        return {"epsilon_lower": found.epsilon_lower, "epsilon_claimed": epsilon}
+        accountant = _full_batch(epsilon, steps)
+        scores, included = gaussian_game(canaries, math.sqrt(steps) / accountant.history[0][0],
+                                         np.random.default_rng(seed))
+        curve = audit_curve(scores, included, run_curves(accountant, DELTA))
+        return {"epsilon_lower": audit_scores(scores, included, DELTA).epsilon_lower, "epsilon_claimed": epsilon,
+                "epsilon_lower_fdp": curve.epsilon_lower, "fdp_claim_rejected": curve.claim_rejected}
     options = {
         "honest": {},
         "ghost bf16 micro-batches": {"grad_sample_mode": "ghost", "dtype": "bf16", "micro_batches": 2},
@@ -80,7 +160,8 @@ def _run(kind: str, epsilon: float, canaries: int, steps: int, seed: int) -> Dic
             UserDPOptimizer.clip_factors = clip_factors
     else:
         report = audit_gradient_canaries(canaries, **common)
-    return {"epsilon_lower": report.epsilon_lower, "epsilon_claimed": report.epsilon_claimed}
+    return {"epsilon_lower": report.epsilon_lower, "epsilon_claimed": report.epsilon_claimed,
+            "epsilon_lower_fdp": report.epsilon_lower_fdp, "fdp_claim_rejected": report.fdp_claim_rejected}
 
 
 KINDS = ("honest", "ideal Gaussian game", "ghost bf16 micro-batches", "Poisson q = 0.2, steps score", "σ/4 (claims σ)",
@@ -100,6 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--canaries", type=int, default=1000)
     parser.add_argument("--large", type=int, default=10_000, help="canaries of the extra honest run at ε = 2 (0: none)")
+    parser.add_argument("--paper_canaries", type=int, default=5000,
+                        help="canaries of the extra honest run at ε = 4, Steinke et al.'s white-box setting (0: none)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--epsilons", type=float, nargs="+", default=[2.0, 8.0])
     parser.add_argument("--out", default=RESULTS_DIR)
@@ -107,23 +190,44 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     cells = [(kind, eps, args.canaries) for eps in args.epsilons for kind in KINDS]
     if args.large:
         cells += [("honest", args.epsilons[0], args.large), ("ideal Gaussian game", args.epsilons[0], args.large)]
+    if args.paper_canaries:
+        cells += [(kind, 4.0, m) for m in sorted({args.canaries, args.paper_canaries})
+                  for kind in ("honest", "ideal Gaussian game")]
     results: Dict[str, dict] = {}
     rows: List[List[str]] = []
+    ceilings: Dict[tuple, float] = {}
     for kind, eps, m in tqdm(cells, desc="audits"):
         runs = [_run(kind, eps, m, args.steps, seed) for seed in range(args.seeds)]
         bounds = [r["epsilon_lower"] for r in runs]
+        fdp = [r["epsilon_lower_fdp"] for r in runs]
         claimed = runs[0]["epsilon_claimed"]
+        top = ceilings.setdefault((eps, m), ceiling(eps, m, args.steps))
         cell = {"kind": kind, "canaries": m, "epsilon_claimed": claimed, "epsilon_lower": bounds,
                 "mean": float(np.mean(bounds)), "min": float(min(bounds)), "max": float(max(bounds)),
-                "above_claim": int(sum(b > claimed for b in bounds)), "ratio": float(np.mean(bounds) / claimed)}
+                "above_claim": int(sum(b > claimed for b in bounds)), "ratio": float(np.mean(bounds) / claimed),
+                "ceiling": top, "epsilon_lower_fdp": fdp, "fdp_mean": float(np.mean(fdp)),
+                "fdp_claim_rejected": int(sum(bool(r["fdp_claim_rejected"]) for r in runs))}
         results[f"{kind}|{eps}|{m}"] = cell
         rows.append([kind, f"{eps:g}", str(m), f"{claimed:.3g}", f"{cell['mean']:.2f}",
-                     f"{cell['min']:.2f}–{cell['max']:.2f}", f"{cell['ratio']:.2f}",
-                     f"{cell['above_claim']}/{len(bounds)}"])
+                     f"{cell['min']:.2f}–{cell['max']:.2f}", f"{cell['ratio']:.2f}", f"{top:.2f}",
+                     f"{cell['above_claim']}/{len(bounds)}", f"{cell['fdp_mean']:.2f}",
+                     f"{cell['fdp_claim_rejected']}/{len(runs)}"])
     table = print_table(["run", "target ε", "canaries", "ε claimed", "ε_lower mean", "range", "mean/claimed",
-                         "above claim"], rows)
+                         "ceiling", "above claim", "f-DP mean", "f-DP rejects"], rows)
+    idealized, rows = [], []
+    for sigma, m, their_steinke, their_fdp in PUBLISHED_IDEALIZED if args.paper_canaries else ():
+        ours = expected_bounds(1 / sigma, m, (200, 500, 800, 1000, 1500, 2000, 3000))
+        idealized.append({"sigma": sigma, "canaries": m, "epsilon": gaussian_epsilon(1 / sigma, DELTA),
+                          "steinke": ours["steinke"], "published_steinke": their_steinke, "fdp": ours["fdp"],
+                          "published_fdp": their_fdp})
+        rows.append([f"{sigma:g}", str(m), f"{idealized[-1]['epsilon']:.2f}", f"{ours['steinke']:.2f}",
+                     f"{their_steinke:.2f}", f"{ours['fdp']:.2f}", f"{their_fdp:.2f}"])
+    if rows:
+        print("\nMahloujifar et al. 2024, Table 1's idealized setting (expected counts, best number of guesses):")
+        table += "\n\n" + print_table(["σ", "canaries", "ε", "Steinke (ours)", "Steinke (published)", "f-DP (ours)",
+                                        "f-DP (published)"], rows)
     payload = {"results": results, "table": table, "delta": DELTA, "confidence": 0.95, "steps": args.steps,
-               "seeds": args.seeds}
+               "seeds": args.seeds, "idealized": idealized}
     write_results("audit", payload, args.out)
     return payload
 

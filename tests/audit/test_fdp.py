@@ -55,10 +55,7 @@ def test_the_recursion_decides_as_the_closed_form_gaussian_one(guesses, correct)
     for mu in (0.2, 0.5, 1.0, 2.0):
         alphas = np.linspace(0, 1, 2001)
         exact = gdp_curve(mu)(alphas)
-        # the profile of G_μ (Dong et al. Cor. 2.13) on a fine ε grid: its envelope is G_μ to grid accuracy
-        eps = np.linspace(0, 12, 1200)
-        deltas = stats.norm.cdf(-eps / mu + mu / 2) - np.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
-        grid = TradeOffCurve(eps, deltas)
+        grid = TradeOffCurve.gaussian(mu)  # G_μ from its closed-form profile (Dong et al. Cor. 2.13)
         assert np.max(np.abs(np.array([grid(a) for a in alphas[::50]]) - exact[::50])) < 2e-3
         assert rejects(grid, 1000, guesses, correct, 0.05) == gdp_rejects(mu, 1000, guesses, correct, 0.05)
 
@@ -69,8 +66,7 @@ def test_a_true_claim_is_rejected_at_most_at_the_tests_level():
     rng = np.random.default_rng(0)
     slack = stats.binom.ppf(0.999, 300, 0.05)
     rr = TradeOffCurve.epsilon_delta(1.0, 0.0)
-    eps = np.linspace(0, 12, 1200)
-    gauss = TradeOffCurve(eps, stats.norm.cdf(-eps + 0.5) - np.exp(eps) * stats.norm.cdf(-eps - 0.5))  # μ = 1
+    gauss = TradeOffCurve.gaussian(1.0)
     for curve, game in ((rr, lambda: randomized_response_game(100, 1.0, rng)),
                         (gauss, lambda: gaussian_game(100, 1.0, rng))):
         rejected = 0

@@ -77,8 +77,11 @@ def test_pipeline_seeds_varies_one_seed_at_a_time(tmp_path):
 def test_the_audit_benchmark_writes_its_table(tmp_path):
     from benchmarks import audit
 
-    out = audit.main(["--seeds", "1", "--canaries", "200", "--large", "0", "--steps", "3", "--epsilons", "4",
-                      "--out", str(tmp_path)])
+    out = audit.main(["--seeds", "1", "--canaries", "200", "--large", "0", "--paper_canaries", "0", "--steps", "3",
+                      "--epsilons", "4", "--out", str(tmp_path)])
     assert set(out["results"]) == {f"{kind}|4.0|200" for kind in audit.KINDS}
-    assert out["results"]["σ/4 (claims σ)|4.0|200"]["epsilon_lower"][0] > out["results"]["honest|4.0|200"]["mean"]
+    results = out["results"]
+    assert results["σ/4 (claims σ)|4.0|200"]["epsilon_lower"][0] > results["honest|4.0|200"]["mean"]
+    assert results["σ/4 (claims σ)|4.0|200"]["fdp_mean"] > results["honest|4.0|200"]["fdp_mean"]
+    assert 0 < results["honest|4.0|200"]["ceiling"] < 4.0
     assert (tmp_path / "audit.json").exists()

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import dp_accounting as dpa
 import numpy as np
+from scipy import stats
 
 from ..accountants.accountant import DPAccountingAccountant
 from ..accountants.analysis import make_accountant
@@ -60,6 +61,23 @@ class TradeOffCurve:
         top = max(1.0, 1.5 * accountant.get_epsilon(1e-12))
         epsilons = np.linspace(0.0, top, points)
         return cls(epsilons, np.array([min(1.0, accountant.get_delta(float(e))) for e in epsilons]))
+
+    @classmethod
+    def gaussian(cls, mu: float, points: int = 600) -> "TradeOffCurve":
+        """μ-GDP's curve ``G_μ`` from its closed-form profile ``δ(ε) = Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2)`` (Dong, Roth
+        and Su 2022, Cor. 2.13), on ``points`` values of ε up to where δ(ε) < 1e-12.
+
+        Args:
+            mu: μ > 0.
+            points: the grid's size.
+
+        Returns:
+            The curve.
+        """
+        top = max(1.0, mu * mu / 2 + 7.1 * mu)  # δ(ε) ≤ Φ(−ε/μ + μ/2) < 1e-12 beyond
+        epsilons = np.linspace(0.0, top, points)
+        deltas = stats.norm.cdf(-epsilons / mu + mu / 2) - np.exp(epsilons) * stats.norm.cdf(-epsilons / mu - mu / 2)
+        return cls(epsilons, np.clip(deltas, 0.0, 1.0))
 
     @classmethod
     def epsilon_delta(cls, epsilon: float, delta: float) -> "TradeOffCurve":

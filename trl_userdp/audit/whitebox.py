@@ -11,6 +11,7 @@ model shows) or by the likelihood ratio of the subsampled Gaussian step by step 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -175,7 +176,9 @@ def audit_gradient_canaries(
             clip = float(optimizer.max_grad_norm)  # the clip this step uses (an adaptive clip moves after it)
             rows_here += len(x)
             if len(x):
-                (-scale * max_grad_norm * (w * model(x)[:, 0]).sum() / len(x)).backward()
+                with warnings.catch_warnings():  # the one-hot inputs need no gradient; torch says so at every step
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    (-scale * max_grad_norm * (w * model(x)[:, 0]).sum() / len(x)).backward()
             if i % micro_batches < micro_batches - 1:
                 continue
             optimizer.step()
