@@ -6,20 +6,21 @@ Rows, each over ``--seeds`` seeds (the canary draw, the sampling and the noise):
 - ``honest``: user-wise DP-SGD, ``--canaries`` canary users, T full-batch steps (q = 1), σ calibrated to ε: the
   audited bound must stay below the claim;
 - ``ideal Gaussian game``: the control that says how far a one-run audit can get on this mechanism: canaries whose
-  scores are exactly ``N(√T/σ, 1)`` in and ``N(0, 1)`` out, scored by the same bound;
+  scores are exactly ``N(√T/σ, 1)`` in and ``N(0, 1)`` out, scored by the same bounds with the same planned guesses;
 - ``ghost bf16 micro-batches``: the honest run on the ghost-clipping path with bf16 parameters and two micro-batches;
 - ``Poisson q = 0.2, steps score``: users sampled at q = 0.2, scored by every step's likelihood ratio;
 - ``σ/4 (claims σ)`` and ``clip 8× C``: broken runs (a quarter of the noise, users worth 8 times the clip) that
   report the honest ε: the audit must rise above the claim.
 
 Each row has Steinke et al.'s bound and the f-DP audit of the run's own curve (:func:`trl_userdp.audit.audit_curve`:
-its ε in the family "the same run at another σ", and how many seeds reject the claimed curve). Extra rows: the honest
+its ε in the family "the same run at another σ", and how many seeds reject the claimed curve), each testing the number
+of guesses planned from the claim (:func:`trl_userdp.audit.planning.plan_guesses`). Extra rows: the honest
 run and the ideal game with ``--large`` canaries at the first ε, and with ``--paper_canaries`` at ε = 4, Steinke et
 al.'s white-box setting (their Wide ResNet on CIFAR-10: ε_lower ≈ 1.8 at ε = 4). ``ceiling`` is the bound's value at
 the ideal game's *expected* counts with the best number of guesses fixed in advance (no union bound): what Steinke et
 al.'s bound can reach on average with that many canaries.
 
-    python -m benchmarks.audit                        # 5 seeds, 1,000 canaries, 10,000 at ε = 2, 5,000 at ε = 4; ~4 min
+    python -m benchmarks.audit                        # 10 seeds, 1,000 canaries, 10,000 at ε = 2, 5,000 at ε = 4; ~4 min
     python -m benchmarks.audit --seeds 2 --canaries 200 --large 0 --paper_canaries 0
 """
 
@@ -35,11 +36,9 @@ from tqdm.auto import tqdm
 from benchmarks.common import RESULTS_DIR, print_table, write_results
 from trl_userdp.accountants.accountant import DPPldAccountant
 from trl_userdp.accountants.events import PoissonGaussian
-from scipy import optimize, stats
-
-from trl_userdp.audit import audit_curve, audit_gradient_canaries, audit_scores, epsilon_lower_bound, run_curves
+from trl_userdp.audit import audit_curve, audit_gradient_canaries, audit_scores, run_curves
 from trl_userdp.audit.bounds import gaussian_epsilon, gaussian_game
-from trl_userdp.audit.fdp import TradeOffCurve, rejects
+from trl_userdp.audit.planning import expected_bounds, plan_guesses
 from trl_userdp.optimizers import UserDPOptimizer
 
 DELTA = 1e-5
@@ -73,45 +72,9 @@ def _full_batch(epsilon: float, steps: int) -> DPPldAccountant:
     return accountant
 
 
-def expected_bounds(mu: float, canaries: int, guesses: Sequence[int], fdp: bool = True) -> Dict[str, float]:
-    """Both bounds at the expected counts of the Gaussian game ``N(μ, 1)`` in, ``N(0, 1)`` out, with the best number
-    of guesses fixed in advance (no union bound): what each reaches on average with ``canaries`` canaries.
-
-    Steinke et al.'s bound guesses half "in" (above a threshold) and half "out" (below its mirror); the f-DP audit
-    guesses "in" only and reports ε of the strongest μ'-GDP claim it rejects.
-
-    Args:
-        mu: the game's mean shift (μ = √T/σ for T full-batch steps).
-        canaries: m.
-        guesses: the numbers of guesses to try.
-        fdp: also the f-DP audit's (0 when not).
-
-    Returns:
-        ``{"steinke": ε, "fdp": ε}``.
-    """
-    def precision(share: float) -> float:  # P[in | above the threshold that keeps `share` of the mixture above]
-        t = optimize.brentq(lambda x: 0.5 * stats.norm.sf(x - mu) + 0.5 * stats.norm.sf(x) - share, -40, 40)
-        return 0.5 * stats.norm.sf(t - mu) / share
-
-    steinke = best_fdp = 0.0
-    for k in guesses:
-        steinke = max(steinke, epsilon_lower_bound(canaries, k, int(round(precision(k / 2 / canaries) * k)), DELTA))
-        if not fdp:
-            continue
-        right = int(round(precision(k / canaries) * k))
-        lo, hi = 1e-3, 20.0  # μ' rejected below, accepted above
-        if not rejects(TradeOffCurve.gaussian(lo), canaries, k, right, 0.05):
-            continue
-        while hi - lo > 1e-3:
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if rejects(TradeOffCurve.gaussian(mid), canaries, k, right, 0.05) else (lo, mid)
-        best_fdp = max(best_fdp, gaussian_epsilon(lo, DELTA))
-    return {"steinke": steinke, "fdp": best_fdp}
-
-
 def ceiling(epsilon: float, canaries: int, steps: int) -> float:
     """Steinke et al.'s bound on average with ``canaries`` canaries, at the best number of guesses
-    (:func:`expected_bounds` of the honest run's μ = √T/σ).
+    (:func:`~trl_userdp.audit.planning.expected_bounds` of the honest run's μ = √T/σ).
 
     Args:
         epsilon: the claimed ε (σ calibrated to it for ``steps`` full-batch steps).
@@ -122,7 +85,8 @@ def ceiling(epsilon: float, canaries: int, steps: int) -> float:
         The bound.
     """
     mu = math.sqrt(steps) / PoissonGaussian().calibrate(epsilon, DELTA, sample_rate=1.0, steps=steps)
-    return expected_bounds(mu, canaries, range(10, canaries + 1, max(2, canaries // 200) * 2), fdp=False)["steinke"]
+    return expected_bounds(mu, canaries, range(10, canaries + 1, max(2, canaries // 200) * 2), DELTA,
+                           fdp=False)["steinke"]["epsilon"]
 
 
 #: Mahloujifar et al. 2024, Table 1 (one Gaussian mechanism of noise σ, sensitivity 1, δ = 1e-5): σ, canaries, their
@@ -137,8 +101,10 @@ def _run(kind: str, epsilon: float, canaries: int, steps: int, seed: int) -> Dic
         accountant = _full_batch(epsilon, steps)
         scores, included = gaussian_game(canaries, math.sqrt(steps) / accountant.history[0][0],
                                          np.random.default_rng(seed))
-        curve = audit_curve(scores, included, run_curves(accountant, DELTA))
-        return {"epsilon_lower": audit_scores(scores, included, DELTA).epsilon_lower, "epsilon_claimed": epsilon,
+        plan = plan_guesses(epsilon, DELTA, canaries)  # the white-box auditor's plan for the same claim
+        curve = audit_curve(scores, included, run_curves(accountant, DELTA), abstentions=[plan["fdp"]])
+        found = audit_scores(scores, included, DELTA, abstentions=[plan["steinke"]])
+        return {"epsilon_lower": found.epsilon_lower, "epsilon_claimed": epsilon,
                 "epsilon_lower_fdp": curve.epsilon_lower, "fdp_claim_rejected": curve.claim_rejected}
     options = {
         "honest": {},
@@ -178,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         The results written.
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--canaries", type=int, default=1000)
     parser.add_argument("--large", type=int, default=10_000, help="canaries of the extra honest run at ε = 2 (0: none)")
     parser.add_argument("--paper_canaries", type=int, default=5000,
@@ -216,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                          "ceiling", "above claim", "f-DP mean", "f-DP rejects"], rows)
     idealized, rows = [], []
     for sigma, m, their_steinke, their_fdp in PUBLISHED_IDEALIZED if args.paper_canaries else ():
-        ours = expected_bounds(1 / sigma, m, (200, 500, 800, 1000, 1500, 2000, 3000))
+        found = expected_bounds(1 / sigma, m, (200, 500, 800, 1000, 1500, 2000, 3000), DELTA)
+        ours = {name: best["epsilon"] for name, best in found.items()}
         idealized.append({"sigma": sigma, "canaries": m, "epsilon": gaussian_epsilon(1 / sigma, DELTA),
                           "steinke": ours["steinke"], "published_steinke": their_steinke, "fdp": ours["fdp"],
                           "published_fdp": their_fdp})

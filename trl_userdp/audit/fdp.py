@@ -5,8 +5,9 @@ Steinke et al.'s bound (:mod:`~trl_userdp.audit.bounds`) tests one point ``(ε, 
 accountant claims more: a whole trade-off curve ``f`` (the least type-II error of any test of "this user was in" at
 each type-I error; Dong, Roth and Su 2022, Def. 2.1). Here ``f`` is read from the accountant's own privacy profile
 ``δ(ε)``: ``f(α) = max_ε max(0, 1 − δ(ε) − e^ε·α, e^{−ε}·(1 − δ(ε) − α))`` over a grid of ε, a curve the mechanism
-meets whenever it meets every ``(ε, δ(ε))``, so testing it is as sound as the accountant. The guesses are one-sided:
-"in" for the ``k`` highest scores (as jax_privacy's ``epsilon_one_run_fdp``).
+meets whenever it meets every ``(ε, δ(ε))``, so testing it is as sound as the accountant. The guesses are Steinke et
+al.'s: "in" for the ``k/2`` highest scores, "out" for the ``k/2`` lowest (the paper's game, Thm. 3.1, allows both
+and abstentions; jax_privacy's ``epsilon_one_run_fdp`` guesses "in" only, which halves what a score shows).
 
 What a rejection means. Rejecting the claimed curve (``scale = 1``) is assumption-free: the run is not as private as
 its accountant says. The reported ``ε_lower`` is the ε of the weakest rejected claim in the family "the same run at
@@ -107,14 +108,14 @@ class TradeOffCurve:
 
 
 def rejects(curve: TradeOffCurve, m: int, guesses: int, correct: int, significance: float) -> bool:
-    """Whether ``correct`` right "in" guesses out of ``guesses`` among ``m`` canaries reject the claim "the run is
-    ``curve``-DP" at ``significance`` (Mahloujifar et al. 2024, the guessing game's recursion, as jax_privacy's
-    ``_epsilon_one_run_fdp`` runs it, with the blow-up inverse ``y ↦ f(1 − y)`` of a symmetric ``f``).
+    """Whether ``correct`` right guesses ("in" or "out") out of ``guesses`` among ``m`` canaries reject the claim "the
+    run is ``curve``-DP" at ``significance`` (Mahloujifar et al. 2024, Thm. 3.1 and Alg. 3 with two symbols, as
+    jax_privacy's ``_epsilon_one_run_fdp`` runs it, with the blow-up inverse ``y ↦ f(1 − y)`` of a symmetric ``f``).
 
     Args:
         curve: the claimed trade-off curve.
         m: the canaries.
-        guesses: k, canaries guessed "in".
+        guesses: k, the guesses made (the other canaries abstained on).
         correct: v, the right ones.
         significance: the test's level.
 
@@ -176,7 +177,7 @@ class CurveAudit:
         claim_rejected: whether the run's own curve (``scale = 1``) is rejected.
         epsilon_lower: ε of the weakest rejected claim of the family (0 when none is).
         scale: that claim's noise scale (``inf`` when none is rejected).
-        guesses: the "in" guesses of the abstention that rejected it (or of the most guesses tried).
+        guesses: the guesses of the abstention that rejected it (or of the most guesses tried).
         correct: the right ones.
         confidence: the confidence of the test.
         tried: the numbers of guesses tried (the significance split evenly between them).
@@ -202,7 +203,8 @@ def audit_curve(scores: Sequence[float], included: Sequence[bool], curves: Calla
         included: the secret inclusion draw.
         curves: ``scale ↦ (curve, ε)`` (:func:`run_curves`).
         confidence: the confidence of the test.
-        abstentions: numbers of "in" guesses to try (default :func:`~trl_userdp.audit.bounds.default_abstentions`);
+        abstentions: numbers of guesses to try, half "in" and half "out" (default
+            :func:`~trl_userdp.audit.bounds.default_abstentions`);
             a claim is rejected where any of them rejects it at ``(1 − confidence)/len(abstentions)``.
         tolerance: the bisection's relative width on the scale.
 
@@ -211,7 +213,7 @@ def audit_curve(scores: Sequence[float], included: Sequence[bool], curves: Calla
     """
     m = len(scores)
     tried = tuple(abstentions) if abstentions is not None else default_abstentions(m)
-    found = [guess(scores, included, k_in=k, k_out=0) for k in tried]
+    found = [guess(scores, included, k_in=k // 2, k_out=k - k // 2) for k in tried]
     significance = (1 - confidence) / len(tried)
 
     def rejecting(curve: TradeOffCurve) -> Optional[int]:

@@ -27,6 +27,7 @@ from ..seeding import derive_seed
 from .bounds import audit_scores
 from .canaries import CanaryDraw
 from .fdp import audit_curve, run_curves
+from .planning import plan_guesses
 from .report import AuditReport
 
 #: the canaries' loss scale, as a multiple of the clip: every canary user is clipped, whatever its rows
@@ -90,6 +91,7 @@ def audit_gradient_canaries(
     seed: Optional[int] = None,
     accountant: str = "pld",
     fdp: bool = True,
+    plan: bool = True,
     before_training: Optional[Callable[[PrivacyEngine, Any], None]] = None,
     progress: bool = False,
 ) -> AuditReport:
@@ -124,6 +126,9 @@ def audit_gradient_canaries(
         accountant: the engine's accountant.
         fdp: also run the f-DP audit of the run's own trade-off curve (:func:`~trl_userdp.audit.fdp.audit_curve`;
             runs with σ > 0 only).
+        plan: test the number of guesses each bound should make on a run of the claimed ε, chosen from the claim
+            alone (:func:`~trl_userdp.audit.planning.plan_guesses`), at the full confidence; False: try
+            :func:`~trl_userdp.audit.bounds.default_abstentions` under a union bound.
         before_training: called with the engine and the private optimizer before the first step (e.g. to break the
             run on purpose, and see the audit catch it).
         progress: show a progress bar over the steps.
@@ -192,18 +197,22 @@ def audit_gradient_canaries(
         if engine.steps_accounted() == before:  # a loader that stops early (a halted mechanism) would loop forever
             raise ValueError(f"The run stopped after {before} of {steps} steps; audit a mechanism that takes them all.")
     bar.close()
-    audit = audit_scores(scores, draw.included, delta, confidence)
-    curve = audit_curve(scores, draw.included, run_curves(engine.accountant, delta), confidence) \
-        if fdp and sigma > 0 else None
+    claimed = engine.get_epsilon(delta)
+    planned = plan_guesses(claimed, delta, n_canaries, confidence) if plan else {}
+    audit = audit_scores(scores, draw.included, delta, confidence,
+                         abstentions=[planned["steinke"]] if planned else None)
+    curve = audit_curve(scores, draw.included, run_curves(engine.accountant, delta), confidence,
+                        abstentions=[planned["fdp"]] if planned else None) if fdp and sigma > 0 else None
     settings = {"mechanism": engine.mechanism.report_name, "grad_sample_mode": grad_sample_mode,
                 "dtype": str(dtype).replace("torch.", ""), "micro_batches": micro_batches,
                 "noise_multiplier": sigma, "sample_rate": loader.sample_rate, "steps": engine.steps_accounted(),
                 "max_grad_norm": max_grad_norm, "rows_per_user": rows_per_user, "accountant": accountant,
                 "near_cancelling": near_cancelling, "rows_on_this_process": rows_here,
                 "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
-                "abstentions_tried": list(audit.tried), "k_in": audit.guesses.k_in, "k_out": audit.guesses.k_out}
+                "abstentions_tried": list(audit.tried), "k_in": audit.guesses.k_in, "k_out": audit.guesses.k_out,
+                "guesses_planned": planned or None}
     return AuditReport(
-        epsilon_lower=audit.epsilon_lower, epsilon_claimed=engine.get_epsilon(delta), delta=delta,
+        epsilon_lower=audit.epsilon_lower, epsilon_claimed=claimed, delta=delta,
         confidence=confidence, canaries=n_canaries, canaries_in=len(members), guesses=audit.guesses.guesses,
         correct=audit.guesses.correct, auditor=f"white-box gradient canary users, score: {score}", settings=settings,
         scores_in=scores[draw.included].tolist(), scores_out=scores[~draw.included].tolist(),
