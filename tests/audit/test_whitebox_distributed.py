@@ -42,13 +42,17 @@ def reports():
 def test_two_processes_audit_the_run_one_process_audits(reports, case):
     ranks = reports[case]
     single = audit_gradient_canaries(1000, **COMMON, **CASES[case])
+    bf16 = CASES[case].get("dtype") == torch.bfloat16
     for report in ranks:
-        assert report.settings["world_size"] == 2
-        assert (report.epsilon_lower, report.correct, report.guesses, report.epsilon_lower_fdp) == \
-            (single.epsilon_lower, single.correct, single.guesses, single.epsilon_lower_fdp)
+        assert report.settings["world_size"] == 2 and report.consistent is single.consistent
+        if bf16:  # rounding can swap two canaries' ranks: the bounds may move by a guess
+            assert abs(report.epsilon_lower - single.epsilon_lower) < 0.1
+            assert abs(report.epsilon_lower_fdp - single.epsilon_lower_fdp) < 0.1
+        else:
+            assert (report.epsilon_lower, report.correct, report.guesses, report.epsilon_lower_fdp) == \
+                (single.epsilon_lower, single.correct, single.guesses, single.epsilon_lower_fdp)
         # the same updates up to the order of sums (per process, then all-reduced), rounded to the parameters'
         # precision (bf16: an ulp of the weights, a quarter of C/ñ, against noise of std σ√T ≈ 20 C/ñ)
-        bf16 = CASES[case].get("dtype") == torch.bfloat16
         torch.testing.assert_close(torch.tensor(report.scores_in), torch.tensor(single.scores_in),
                                    rtol=2 ** -7 if bf16 else 1e-4, atol=0.5 if bf16 else 1e-3)
     assert ranks[0].scores_in == ranks[1].scores_in  # one noise draw, the same on both
@@ -80,8 +84,8 @@ def _split_worker(rank, world, tmp):
 @pytest.mark.slow
 def test_users_split_across_processes_are_caught_with_ten_thousand_canaries(tmp_path):
     """Rows sharded instead of users doubles a two-row user's sensitivity: at 1,000 canaries the audit is at the edge
-    of its power (the f-DP audit rejects the claimed curve in 5 of 6 seeds, Steinke et al.'s bound is above the
-    claimed 2 in 1 of 6), at 10,000 both are above the claim (2.26 and 3.03, 20 s)."""
+    of its power (the f-DP audit rejects the claimed curve in 4 of 6 seeds, Steinke et al.'s bound is above the
+    claimed 2 in 1 of 6), at 10,000 both are above the claim (2.21 and 2.83, 20 s)."""
     mp.spawn(_split_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     report = AuditReport.load(str(tmp_path / "split0"))
     assert report.settings["world_size"] == 2 and report.canaries == 10_000

@@ -204,18 +204,19 @@ class PreferenceCanaries:
             epsilon_claimed: the ε its privacy report states (``math.inf`` without privacy).
             confidence: the confidence of the bound.
             settings: the run's settings, for the report.
-            accountant: the run's accountant: with Gaussian noise (σ > 0), the f-DP audit of its curve runs too
-                (:func:`~trl_userdp.audit.fdp.audit_curve`).
+            accountant: the run's accountant, when its curve is the run's claim
+                (:func:`~trl_userdp.audit.fdp.audits_curve`): with Gaussian noise (σ > 0) the f-DP audit of that curve
+                runs too (:func:`~trl_userdp.audit.fdp.audit_curve`), each test at half the significance.
 
         Returns:
             The :class:`~trl_userdp.audit.report.AuditReport`.
         """
         scores = self.scores(model, tokenizer, reference)
-        found = audit_scores(scores, self.draw.included, delta, confidence)
         included = self.draw.included
-        curve = None
-        if accountant is not None and any(sigma > 0 for sigma, _, _ in accountant.history):
-            curve = audit_curve(scores, included, run_curves(accountant, delta), confidence)
+        with_curve = accountant is not None and any(sigma > 0 for sigma, _, _ in accountant.history)
+        level = 1 - (1 - confidence) / 2 if with_curve else confidence  # two tests: each at half the significance
+        found = audit_scores(scores, included, delta, level)
+        curve = audit_curve(scores, included, run_curves(accountant, delta), level) if with_curve else None
         return AuditReport(
             epsilon_lower=found.epsilon_lower, epsilon_claimed=epsilon_claimed, delta=delta, confidence=confidence,
             canaries=self.draw.m, canaries_in=int(included.sum()), guesses=found.guesses.guesses,
@@ -223,7 +224,9 @@ class PreferenceCanaries:
             auditor="black-box preference canary users, score: the " + ("reward margin" if reference is None else
                                                                          "implicit reward margin (DPO)"),
             settings={**(settings or {}), "pairs_per_user": self.pairs_per_user, "k_in": found.guesses.k_in,
-                      "k_out": found.guesses.k_out, "abstentions_tried": list(found.tried)},
+                      "k_out": found.guesses.k_out, "abstentions_tried": list(found.tried), "level_of_each_test": level,
+                      "fdp": None if curve is None else {"guesses": curve.guesses, "correct": curve.correct,
+                                                         "scale": curve.scale}},
             scores_in=scores[included].tolist(), scores_out=scores[~included].tolist(),
             epsilon_lower_fdp=None if curve is None else curve.epsilon_lower,
             fdp_claim_rejected=None if curve is None else curve.claim_rejected)

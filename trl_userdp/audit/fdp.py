@@ -28,6 +28,7 @@ from scipy import stats
 
 from ..accountants.accountant import DPAccountingAccountant
 from ..accountants.analysis import make_accountant
+from ..mechanisms import GradientMechanism
 from .bounds import default_abstentions, guess
 
 #: PLD discretisation of the audit's curves (coarser than the accountant's: dp-accounting rounds pessimistically,
@@ -50,7 +51,9 @@ class TradeOffCurve:
 
     @classmethod
     def from_accountant(cls, accountant: dpa.PrivacyAccountant, points: int = 400) -> "TradeOffCurve":
-        """The curve of a composed dp-accounting accountant, on ``points`` values of ε from 0 to where δ(ε) < 1e-12.
+        """The curve of a composed dp-accounting accountant, on ``points`` values of ε from 0 to 1.5 × the first ε of
+        1, 2, 4, … (up to 1024) where δ(ε) < 1e-12, or to the ε of the smallest δ found (a group-privacy profile is
+        not monotone: every point of it is a valid guarantee, the envelope of any of them a valid curve).
 
         Args:
             accountant: an accountant that has composed the run's event (any with ``get_delta``).
@@ -58,10 +61,22 @@ class TradeOffCurve:
 
         Returns:
             The curve.
+
+        Raises:
+            ValueError: the accountant gives a δ that is not a number in [0, 1].
         """
-        top = max(1.0, 1.5 * accountant.get_epsilon(1e-12))
+        probes = [2.0 ** i for i in range(11)]
+        deltas = []
+        for epsilon in probes:
+            deltas.append(accountant.get_delta(epsilon))
+            if deltas[-1] < 1e-12:
+                break
+        top = 1.5 * probes[int(np.argmin(deltas))]
         epsilons = np.linspace(0.0, top, points)
-        return cls(epsilons, np.array([min(1.0, accountant.get_delta(float(e))) for e in epsilons]))
+        deltas = np.array([accountant.get_delta(float(e)) for e in epsilons], dtype=np.float64)
+        if not np.all((deltas >= 0) & (deltas <= 1)):  # NaN included
+            raise ValueError("The accountant's δ(ε) is not a number in [0, 1] on the audit's grid.")
+        return cls(epsilons, deltas)
 
     @classmethod
     def gaussian(cls, mu: float, points: int = 600) -> "TradeOffCurve":
@@ -136,6 +151,20 @@ def rejects(curve: TradeOffCurve, m: int, guesses: int, correct: int, significan
             break
         right, wrong = min(right + i / (guesses - i) * (widened - wrong), 1.0), widened
     return right + wrong - guesses / m > 0
+
+
+def audits_curve(mechanism: GradientMechanism) -> bool:
+    """Whether a mechanism's claim is its accountant's curve: its run's ε is the accountant's alone. AUP-RLHF also
+    spends ε on AboveThreshold and on its radius, outside the accountant; its Gaussian steps' curve is a stronger claim
+    than its own, so an honest run could fail it.
+
+    Args:
+        mechanism: the run's mechanism.
+
+    Returns:
+        True where :func:`audit_curve` tests the run's claim.
+    """
+    return type(mechanism).epsilon is GradientMechanism.epsilon
 
 
 def run_curves(accountant: DPAccountingAccountant, delta: float) -> Callable[[float], Tuple[TradeOffCurve, float]]:

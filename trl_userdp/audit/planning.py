@@ -99,8 +99,11 @@ def plan_guesses(epsilon: float, delta: float, canaries: int, confidence: float 
     Returns:
         ``{"steinke": k, "fdp": k}`` (all ``m`` canaries when no k rejects anything, e.g. an infinite claim).
     """
-    if not 0 < epsilon < gaussian_epsilon(20.0, delta):  # no claim, or one no m canaries can test: guess them all
-        return {"steinke": canaries, "fdp": canaries}
+    everything = {"steinke": canaries, "fdp": canaries}
+    if canaries < 2 or not 0 < delta < 1:  # too few canaries to split, or a δ no Gaussian mechanism has
+        return everything
+    if not gaussian_epsilon(1e-4, delta) < epsilon < gaussian_epsilon(20.0, delta):  # no claim to plan for: all
+        return everything
     mu = optimize.brentq(lambda x: gaussian_epsilon(x, delta) - epsilon, 1e-4, 20.0)
     if candidates is None:
         candidates = sorted({min(canaries, 2 * round(k / 2)) for k in np.geomspace(10, canaries, 30)})

@@ -52,7 +52,8 @@ class AuditReport:
     @property
     def consistent(self) -> bool:
         """Whether the audit is consistent with the claim: the lower bound does not exceed it, and the f-DP audit (if
-        run) does not reject the claimed curve. Each test errs with probability at most ``1 − confidence``."""
+        run) does not reject the claimed curve. An honest run is called inconsistent with probability at most
+        ``1 − confidence`` (the auditors run two tests at half the significance each)."""
         return self.epsilon_lower <= self.epsilon_claimed and not self.fdp_claim_rejected
 
     def summary(self) -> str:

@@ -26,7 +26,7 @@ from ..privacy_engine import PrivacyEngine
 from ..seeding import derive_seed
 from .bounds import audit_scores
 from .canaries import CanaryDraw
-from .fdp import audit_curve, run_curves
+from .fdp import audit_curve, audits_curve, run_curves
 from .planning import plan_guesses
 from .report import AuditReport
 
@@ -125,7 +125,9 @@ def audit_gradient_canaries(
             a secret of the auditor's).
         accountant: the engine's accountant.
         fdp: also run the f-DP audit of the run's own trade-off curve (:func:`~trl_userdp.audit.fdp.audit_curve`;
-            runs with σ > 0 only).
+            runs with σ > 0 of a mechanism whose claim is its accountant's, :func:`~trl_userdp.audit.fdp.audits_curve`).
+            Each of the two tests then runs at half the significance, so that the report's verdict keeps
+            ``confidence``.
         plan: test the number of guesses each bound should make on a run of the claimed ε, chosen from the claim
             alone (:func:`~trl_userdp.audit.planning.plan_guesses`), at the full confidence; False: try
             :func:`~trl_userdp.audit.bounds.default_abstentions` under a union bound.
@@ -198,11 +200,12 @@ def audit_gradient_canaries(
             raise ValueError(f"The run stopped after {before} of {steps} steps; audit a mechanism that takes them all.")
     bar.close()
     claimed = engine.get_epsilon(delta)
-    planned = plan_guesses(claimed, delta, n_canaries, confidence) if plan else {}
-    audit = audit_scores(scores, draw.included, delta, confidence,
-                         abstentions=[planned["steinke"]] if planned else None)
-    curve = audit_curve(scores, draw.included, run_curves(engine.accountant, delta), confidence,
-                        abstentions=[planned["fdp"]] if planned else None) if fdp and sigma > 0 else None
+    with_curve = fdp and sigma > 0 and audits_curve(engine.mechanism)
+    level = 1 - (1 - confidence) / 2 if with_curve else confidence  # two tests: each at half the significance
+    planned = plan_guesses(claimed, delta, n_canaries, level) if plan else {}
+    audit = audit_scores(scores, draw.included, delta, level, abstentions=[planned["steinke"]] if planned else None)
+    curve = audit_curve(scores, draw.included, run_curves(engine.accountant, delta), level,
+                        abstentions=[planned["fdp"]] if planned else None) if with_curve else None
     settings = {"mechanism": engine.mechanism.report_name, "grad_sample_mode": grad_sample_mode,
                 "dtype": str(dtype).replace("torch.", ""), "micro_batches": micro_batches,
                 "noise_multiplier": sigma, "sample_rate": loader.sample_rate, "steps": engine.steps_accounted(),
@@ -210,7 +213,9 @@ def audit_gradient_canaries(
                 "near_cancelling": near_cancelling, "rows_on_this_process": rows_here,
                 "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                 "abstentions_tried": list(audit.tried), "k_in": audit.guesses.k_in, "k_out": audit.guesses.k_out,
-                "guesses_planned": planned or None}
+                "guesses_planned": planned or None, "level_of_each_test": level,
+                "fdp": None if curve is None else {"guesses": curve.guesses, "correct": curve.correct,
+                                                   "scale": curve.scale}}
     return AuditReport(
         epsilon_lower=audit.epsilon_lower, epsilon_claimed=claimed, delta=delta,
         confidence=confidence, canaries=n_canaries, canaries_in=len(members), guesses=audit.guesses.guesses,

@@ -83,6 +83,7 @@ def _blackbox(script_args: UserDataArguments, training_args, audit_args: AuditAr
     import copy
 
     from ..audit import PreferenceCanaries
+    from ..audit.fdp import audits_curve
 
     dpo = audit_args.trainer == "dpo"
     train, _ = _load_data(script_args, training_args, for_dpo=dpo)
@@ -115,7 +116,8 @@ def _blackbox(script_args: UserDataArguments, training_args, audit_args: AuditAr
     report = canaries.audit(trainer.model, tokenizer, delta=training_args.target_delta,
                             epsilon_claimed=trainer.privacy_report().epsilon, reference=reference,
                             confidence=audit_args.confidence,
-                            accountant=getattr(engine, "accountant", None),
+                            accountant=engine.accountant if engine is not None and audits_curve(engine.mechanism)
+                            else None,
                             settings={"mechanism": training_args.privacy_mechanism, "trainer": audit_args.trainer,
                                       "steps": trainer.state.global_step,
                                       "real_users": len(set(train[training_args.user_column]))})
