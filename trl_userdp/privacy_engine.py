@@ -18,6 +18,7 @@ from itertools import chain
 from typing import IO, Any, BinaryIO, Dict, Optional, Tuple, Union
 
 import opacus
+import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
@@ -42,6 +43,14 @@ from .validators import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _dtensor_class() -> type:
+    """``torch.distributed.tensor.DTensor`` (imported where torch is built with distributed support)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
 
 #: Key of the private optimizer's own state in a checkpoint written by :meth:`PrivacyEngine.save_checkpoint`.
 OPTIMIZER_STATE_KEY = "trl_userdp_optimizer_state"
@@ -244,6 +253,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
             raise ValueError(
                 "Pass the plain module, not a DistributedDataParallel wrapper: DDP would average the raw gradients "
                 "across processes; the engine shards users by rank and all-reduces the clipped, noised sums itself."
+            )
+        if torch.distributed.is_available() and any(isinstance(p, _dtensor_class()) for p in module.parameters()):
+            raise ValueError(
+                "This module's parameters are sharded (FSDP2's fully_shard, or another DTensor layout): no process holds "
+                "a user's whole gradient to clip, and the engine does not shard yet. Pass the plain module and use "
+                "data parallelism (torchrun / accelerate launch), which shards users instead."
             )
         model_params = set(module.parameters())
         if any(p not in model_params for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)):
