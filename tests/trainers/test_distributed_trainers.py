@@ -54,10 +54,13 @@ def _worker(rank: int, world: int, port: int, jobs: list):
             _inject_a_failing_check()
         try:
             trainer = _run(kind, out, **settings)
+            # what this process sees when save_model returns: the main process's last file must be written already
+            written = os.path.isfile(os.path.join(out, "privacy_report.json"))
             engine = trainer.privacy_engine
             result = {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                       "history": engine.accountant.history, "world_size": torch.distributed.get_world_size(),
-                      "ddp": type(trainer.model_wrapped).__name__, "steps": trainer.state.global_step}
+                      "ddp": type(trainer.model_wrapped).__name__, "steps": trainer.state.global_step,
+                      "written_when_save_returned": written}
         except Exception as err:  # noqa: BLE001 - the test asserts on it
             result = {"error": f"{type(err).__name__}: {err}"}
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
@@ -115,6 +118,9 @@ def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(runs, 
     if kind == "reward":
         fresh = tiny_reward_model(tokenizer).state_dict()
         assert any(not torch.equal(fresh[k], v) for k, v in expected.items())  # the steps moved it
+    # no process leaves save_model before the main process's last file is written (one that tears its process group
+    # down while another still writes can abort it: SIGABRT at exit)
+    assert all(r["written_when_save_returned"] for r in ranks)
     out, ranks = runs["dist_eps"]
     single = _run(kind, str(tmp_path / "single_eps"), **NOISY)
     assert PrivacyReport.load(out).epsilon == pytest.approx(single.privacy_report().epsilon, rel=1e-12)

@@ -160,12 +160,15 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
         super().log({**logs, "epsilon": report.epsilon, "delta": report.delta}, start_time)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
-        """TRL's save, then the carried-over report in ``privacy_report.json`` and on the model."""
+        """TRL's save, then the carried-over report in ``privacy_report.json`` and on the model; every process returns
+        once the main process has written (a process that leaves and tears its process group down while another still
+        writes can abort it)."""
         super().save_model(output_dir, _internal_call)
         if self.is_world_process_zero():
             report = self.carried_privacy_report()
             report.save(output_dir or self.args.output_dir)
             self.model.privacy_report = report
+        self.accelerator.wait_for_everyone()
 
 
 class UserDPRLOOTrainer(UserDPOnlineMixin, RLOOTrainer):
