@@ -175,3 +175,27 @@ def test_a_resumed_two_process_run_continues_epsilon(tmp_path):
     assert PrivacyReport.load(out).epsilon == pytest.approx(epsilon, rel=1e-12)
     for name, value in straight[0]["params"].items():  # the noise continues, keyed by (seed, step)
         torch.testing.assert_close(resumed[0]["params"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_torchrun_save_and_resume_exits_cleanly_every_time(tmp_path):
+    """Issue 28: ten `torchrun` launches of `trl-userdp reward` on two gloo processes, five that save checkpoints and
+    five that resume from one (about 4 minutes): every launch exits 0, and no rank dies at exit (SIGABRT, "terminate
+    called without an active exception")."""
+    import subprocess
+    import sys
+
+    common = ["--use_cpu", "true", "--n_users", "40", "--pairs_per_user", "4", "--per_device_train_batch_size", "8",
+              "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none", "--privacy_seed", "0"]
+    failures = []
+    for i in range(5):
+        out = tmp_path / f"run{i}"
+        resume = ["--resume_from_checkpoint", str(out / "checkpoint-4")]
+        for extra in (["--max_steps", "6"], ["--max_steps", "6", *resume]):
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                   "--master_port", str(_free_port()), "-m", "trl_userdp.scripts.reward",
+                                   "--output_dir", str(out), *common, *extra],
+                                  capture_output=True, text=True, timeout=600)
+            if done.returncode != 0 or "terminate called" in done.stderr:
+                failures.append((i, extra[1], done.returncode, done.stderr[-2000:]))
+    assert not failures, failures
