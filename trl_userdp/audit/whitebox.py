@@ -84,6 +84,7 @@ def audit_gradient_canaries(
     mechanism: Union[str, GradientMechanism] = "user_dpsgd",
     grad_sample_mode: str = "hooks",
     dtype: torch.dtype = torch.float32,
+    device: Union[str, torch.device] = "cpu",
     micro_batches: int = 1,
     near_cancelling: bool = False,
     score: str = "sum",
@@ -114,6 +115,7 @@ def audit_gradient_canaries(
         mechanism: a clipping mechanism (name or object): ``"user_dpsgd"``, ``"group"``, ``"user_dpsgd_adaptive"``.
         grad_sample_mode: ``"hooks"``, ``"functorch"`` or ``"ghost"``.
         dtype: the parameters' and inputs' dtype (``torch.bfloat16`` audits the bf16 path).
+        device: where the model, its rows and the noise live (``"cuda"`` audits the GPU path).
         micro_batches: each draw in this many micro-batches of whole users.
 
         near_cancelling: adversarial canary users of two rows whose gradients nearly cancel (``±10⁴·C``, average
@@ -151,7 +153,8 @@ def audit_gradient_canaries(
     index = np.repeat(members, rows_per_user)
     scale = CANCELLING_SCALE if near_cancelling else CANARY_SCALE
     weights = np.tile([1.0, -CANCELLING_KEEP] if near_cancelling else [1.0] * rows_per_user, len(members))
-    model = nn.Linear(n_canaries, 1, bias=False).to(dtype)
+    device = torch.device(device)
+    model = nn.Linear(n_canaries, 1, bias=False).to(device=device, dtype=dtype)
     nn.init.zeros_(model.weight)
     engine = PrivacyEngine(accountant=accountant)
     length = {"noise_multiplier": noise_multiplier} if noise_multiplier is not None else {
@@ -163,7 +166,8 @@ def audit_gradient_canaries(
         max_grad_norm=max_grad_norm, steps=steps, mechanism=mechanism, grad_sample_mode=grad_sample_mode,
         micro_batches=micro_batches,
         sampling_seed=None if seed is None else derive_seed(seed, "audit-sampling"),
-        noise_generator=None if seed is None else torch.Generator().manual_seed(derive_seed(seed, "audit-noise")),
+        noise_generator=None if seed is None else torch.Generator(device).manual_seed(
+            derive_seed(seed, "audit-noise")),
         **length)
     sigma = optimizer.noise_multiplier
     if score == "steps" and not sigma > 0:
@@ -173,7 +177,7 @@ def audit_gradient_canaries(
     units = getattr(optimizer, "global_expected_batch_size", optimizer.expected_batch_size)
     scores = np.zeros(n_canaries)
     rows_here = 0  # the canary rows this process trained on (its shard of the users, under data parallelism)
-    previous = model.weight.detach().double().flatten().clone()
+    previous = model.weight.detach().double().flatten().cpu().clone()
     bar = tqdm(total=steps, desc="audit steps", disable=not progress)
     while engine.steps_accounted() < steps:  # the loader yields epochs of round(1/q) steps
         before = engine.steps_accounted()
@@ -182,6 +186,7 @@ def audit_gradient_canaries(
                 optimizer.zero_grad()
             clip = float(optimizer.max_grad_norm)  # the clip this step uses (an adaptive clip moves after it)
             rows_here += len(x)
+            x, w = x.to(device), w.to(device)
             if len(x):
                 with warnings.catch_warnings():  # the one-hot inputs need no gradient; torch says so at every step
                     warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -189,7 +194,7 @@ def audit_gradient_canaries(
             if i % micro_batches < micro_batches - 1:
                 continue
             optimizer.step()
-            current = model.weight.detach().double().flatten().clone()
+            current = model.weight.detach().double().flatten().cpu().clone()
             released = (current - previous).numpy() * units / clip  # one step's update, in units of C/ñ
             previous = current
             scores += released if score == "sum" else step_log_likelihood_ratio(released, loader.sample_rate, sigma)
@@ -207,7 +212,7 @@ def audit_gradient_canaries(
     curve = audit_curve(scores, draw.included, run_curves(engine.accountant, delta), level,
                         abstentions=[planned["fdp"]] if planned else None) if with_curve else None
     settings = {"mechanism": engine.mechanism.report_name, "grad_sample_mode": grad_sample_mode,
-                "dtype": str(dtype).replace("torch.", ""), "micro_batches": micro_batches,
+                "dtype": str(dtype).replace("torch.", ""), "device": device.type, "micro_batches": micro_batches,
                 "noise_multiplier": sigma, "sample_rate": loader.sample_rate, "steps": engine.steps_accounted(),
                 "max_grad_norm": max_grad_norm, "rows_per_user": rows_per_user, "accountant": accountant,
                 "near_cancelling": near_cancelling, "rows_on_this_process": rows_here,

@@ -1,0 +1,73 @@
+"""What `scripts/gpu-check` runs on a GPU (`-m cuda`): the engine's paths on the device, in fp32 and bf16. Without a
+CUDA GPU these are skipped with the reason; `TRL_USERDP_TEST_DEVICE=cpu` runs them on the CPU instead (how they are
+checked where no GPU is lent)."""
+
+import os
+
+import pytest
+import torch
+
+from benchmarks.audit import quarter_noise
+from trl_userdp.audit import audit_gradient_canaries
+
+from .helpers import make_private, rel_err
+from .tiny_models import MODELS, btl_pair_losses
+
+
+
+@pytest.fixture
+def device() -> torch.device:
+    name = os.environ.get("TRL_USERDP_TEST_DEVICE", "cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (scripts/gpu-check); TRL_USERDP_TEST_DEVICE=cpu runs it on the CPU")
+    return torch.device(name)
+
+
+def _one_step(name: str, mode: str, device: torch.device, dtype: torch.dtype):
+    """One private step (σ = 0, C = 0.05: every user clipped) of a tiny model on ``device`` in ``dtype``: the flat
+    parameters after it."""
+    model = MODELS[name]().to(device=device, dtype=dtype)
+    engine, model, optimizer, loader, _ = make_private(model, grad_sample_mode=mode, max_grad_norm=0.05)
+    for batch in loader:
+        if len(set(loader.last_row_users.tolist())) >= 3:
+            break
+        engine.hooks.set_row_users(None)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    btl_pair_losses(model, batch).mean().backward()
+    optimizer.step()
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_ghost_clipping_takes_the_materialised_step_on_the_device(device, name, dtype):
+    """Per-user ghost clipping and the materialised per-user gradients give the same step on the device (fp32: to
+    float rounding; bf16: to bf16's)."""
+    hooks, ghost = (_one_step(name, mode, device, dtype) for mode in ("hooks", "ghost"))
+    assert rel_err(ghost, hooks) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode,dtype,micro_batches", [("hooks", torch.float32, 1), ("ghost", torch.bfloat16, 2)])
+def test_the_white_box_audit_passes_an_honest_run_and_catches_a_broken_one_on_the_device(device, mode, dtype,
+                                                                                          micro_batches):
+    """1,000 gradient canary users through the engine on the device: an honest run at ε = 2 is consistent with its
+    claim, one that adds a quarter of its noise is caught (docs/audit.md)."""
+    common = dict(steps=10, target_epsilon=2.0, seed=0, grad_sample_mode=mode, dtype=dtype, device=device,
+                  micro_batches=micro_batches)
+    honest = audit_gradient_canaries(1000, **common)
+    assert honest.settings["device"] == device.type and honest.consistent, honest.summary()
+    broken = audit_gradient_canaries(1000, before_training=quarter_noise, **common)
+    assert not broken.consistent, broken.summary()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs instead of refusing")
+@pytest.mark.skipif(not os.path.isdir(os.path.join(os.path.dirname(__file__), "..", ".venv")),
+                    reason="scripts/gpu-check would build the project's virtualenv first")
+def test_without_a_gpu_the_gpu_check_says_why_in_one_line():
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    done = subprocess.run([os.path.join(root, "scripts", "gpu-check")], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("scripts/gpu-check: no CUDA GPU")
