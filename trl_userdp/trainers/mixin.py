@@ -414,7 +414,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
         """TRL's save, plus ``privacy_report.json`` beside the model; every process returns once the main process has
         written the model, its card and the report (a process that leaves and tears its process group down while
-        another still writes can abort it)."""
+        another still writes can abort it). Call it on every process, as the Trainer does at its checkpoints."""
         super().save_model(output_dir, _internal_call)
         self._write_privacy_files(output_dir or self.args.output_dir, with_state=False)
         self.accelerator.wait_for_everyone()

@@ -162,7 +162,7 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
         """TRL's save, then the carried-over report in ``privacy_report.json`` and on the model; every process returns
         once the main process has written (a process that leaves and tears its process group down while another still
-        writes can abort it)."""
+        writes can abort it). Call it on every process, as the Trainer does at its checkpoints."""
         super().save_model(output_dir, _internal_call)
         if self.is_world_process_zero():
             report = self.carried_privacy_report()
