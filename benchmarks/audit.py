@@ -37,7 +37,7 @@ from benchmarks.common import RESULTS_DIR, print_table, write_results
 from trl_userdp.accountants.accountant import DPPldAccountant
 from trl_userdp.accountants.events import PoissonGaussian
 from trl_userdp.audit import audit_curve, audit_gradient_canaries, audit_scores, run_curves
-from trl_userdp.audit.bounds import gaussian_epsilon, gaussian_game
+from trl_userdp.audit.bounds import each_test_confidence, gaussian_epsilon, gaussian_game
 from trl_userdp.audit.planning import expected_bounds, plan_guesses
 from trl_userdp.optimizers import UserDPOptimizer
 
@@ -102,7 +102,7 @@ def _run(kind: str, epsilon: float, canaries: int, steps: int, seed: int) -> Dic
         accountant = _full_batch(epsilon, steps)
         scores, included = gaussian_game(canaries, math.sqrt(steps) / accountant.history[0][0],
                                          np.random.default_rng(seed))
-        level = 1 - (1 - CONFIDENCE) / 2  # as the white-box auditor: two tests, each at half the significance
+        level = each_test_confidence(CONFIDENCE, 2)  # as the white-box auditor: its two tests
         plan = plan_guesses(epsilon, DELTA, canaries, level)  # and its plan for the same claim
         curve = audit_curve(scores, included, run_curves(accountant, DELTA), level, abstentions=[plan["fdp"]])
         found = audit_scores(scores, included, DELTA, level, abstentions=[plan["steinke"]])

@@ -10,7 +10,7 @@ import torch
 from benchmarks.audit import quarter_noise
 from trl_userdp.audit import audit_gradient_canaries
 
-from .helpers import make_private, rel_err
+from .helpers import first_batch, make_private, rel_err
 from .tiny_models import MODELS, btl_pair_losses
 
 
@@ -27,11 +27,8 @@ def _one_step(name: str, mode: str, device: torch.device, dtype: torch.dtype):
     """One private step (σ = 0, C = 0.05: every user clipped) of a tiny model on ``device`` in ``dtype``: the flat
     parameters after it."""
     model = MODELS[name]().to(device=device, dtype=dtype)
-    engine, model, optimizer, loader, _ = make_private(model, grad_sample_mode=mode, max_grad_norm=0.05)
-    for batch in loader:
-        if len(set(loader.last_row_users.tolist())) >= 3:
-            break
-        engine.hooks.set_row_users(None)
+    engine, model, optimizer, _, _ = make_private(model, grad_sample_mode=mode, max_grad_norm=0.05)
+    batch, _ = first_batch(engine, min_users=3)
     batch = {k: v.to(device) for k, v in batch.items()}
     btl_pair_losses(model, batch).mean().backward()
     optimizer.step()

@@ -161,30 +161,27 @@ def test_two_processes_add_one_noise_draw_and_account_like_one(ranks):
         assert r["report"]["extra"]["world_size"] == 2 and r["report"]["extra"]["expected_units_per_step"] == UPB
 
 
-def test_a_ddp_wrapper_is_refused_with_the_fix(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
-    try:
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(5, 1))
-        dataset, ids = linear_task(n_users=N_USERS)
-        with pytest.raises(ValueError, match="not a DistributedDataParallel wrapper"):
-            trl_userdp.PrivacyEngine().make_private_user_level(
-                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
-                noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=UPB, user_ids=ids)
-    finally:
-        dist.destroy_process_group()
+def _ddp(module):
+    return torch.nn.parallel.DistributedDataParallel(module)
 
 
-def test_a_model_sharded_by_fsdp2_is_refused_before_training(tmp_path):
-    """FSDP2's fully_shard leaves each process a shard of every parameter (DTensors): refused with the reason, not a
-    crash inside the set-up's collectives."""
+def _fully_shard(module):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    return fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+
+
+@pytest.mark.parametrize("wrap,reason", [(_ddp, "not a DistributedDataParallel wrapper"),
+                                         (_fully_shard, "parameters are sharded")])
+def test_a_wrapped_or_sharded_model_is_refused_before_training(tmp_path, wrap, reason):
+    """A DDP wrapper would average raw gradients; FSDP2's fully_shard leaves each process a shard of every parameter
+    (DTensors): each is refused with the reason, not a crash inside the set-up's collectives."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
-        model = fully_shard(torch.nn.Linear(5, 1), mesh=init_device_mesh("cpu", (1,)))
+        model = wrap(torch.nn.Linear(5, 1))
         dataset, ids = linear_task(n_users=N_USERS)
-        with pytest.raises(ValueError, match="parameters are sharded"):
+        with pytest.raises(ValueError, match=reason):
             trl_userdp.PrivacyEngine().make_private_user_level(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
                 noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=UPB, user_ids=ids)

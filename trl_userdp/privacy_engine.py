@@ -254,7 +254,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 "Pass the plain module, not a DistributedDataParallel wrapper: DDP would average the raw gradients "
                 "across processes; the engine shards users by rank and all-reduces the clipped, noised sums itself."
             )
-        if torch.distributed.is_available() and any(isinstance(p, _dtensor_class()) for p in module.parameters()):
+        sharded = _dtensor_class() if torch.distributed.is_available() else ()
+        if any(isinstance(p, sharded) for p in module.parameters()):
             raise ValueError(
                 "This module's parameters are sharded (FSDP2's fully_shard, or another DTensor layout): no process holds "
                 "a user's whole gradient to clip, and the engine does not shard yet. Pass the plain module and use "

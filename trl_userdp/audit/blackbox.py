@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..accountants.accountant import DPAccountingAccountant
-from .bounds import audit_scores
+from .bounds import audit_scores, each_test_confidence
 from .canaries import CanaryDraw
 from .fdp import audit_curve, run_curves
 from .report import AuditReport
@@ -214,7 +214,7 @@ class PreferenceCanaries:
         scores = self.scores(model, tokenizer, reference)
         included = self.draw.included
         with_curve = accountant is not None and any(sigma > 0 for sigma, _, _ in accountant.history)
-        level = 1 - (1 - confidence) / 2 if with_curve else confidence  # two tests: each at half the significance
+        level = each_test_confidence(confidence, 2 if with_curve else 1)
         found = audit_scores(scores, included, delta, level)
         curve = audit_curve(scores, included, run_curves(accountant, delta), level) if with_curve else None
         return AuditReport(

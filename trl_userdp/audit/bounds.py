@@ -197,6 +197,20 @@ def audit_scores(scores: Sequence[float], included: Sequence[bool], delta: float
     return ScoreAudit(best[0], best[1], confidence, tried)
 
 
+def each_test_confidence(confidence: float, tests: int) -> float:
+    """The confidence each of ``tests`` tests runs at so that a verdict that fails when any of them rejects keeps
+    ``confidence`` (a union bound: the significance split evenly).
+
+    Args:
+        confidence: the verdict's confidence.
+        tests: how many tests the verdict combines.
+
+    Returns:
+        ``1 − (1 − confidence)/tests``.
+    """
+    return 1 - (1 - confidence) / tests
+
+
 def randomized_response_game(m: int, epsilon: float, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
     """The canary game whose true ε is known: each of ``m`` canaries is in with probability ½, and the mechanism
     releases, for each, its inclusion bit kept with probability ``e^ε/(1+e^ε)`` (ε-DP randomized response per canary).

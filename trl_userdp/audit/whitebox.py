@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ..mechanisms import GradientMechanism
 from ..privacy_engine import PrivacyEngine
 from ..seeding import derive_seed
-from .bounds import audit_scores
+from .bounds import audit_scores, each_test_confidence
 from .canaries import CanaryDraw
 from .fdp import audit_curve, audits_curve, run_curves
 from .planning import plan_guesses
@@ -206,7 +206,7 @@ def audit_gradient_canaries(
     bar.close()
     claimed = engine.get_epsilon(delta)
     with_curve = fdp and sigma > 0 and audits_curve(engine.mechanism)
-    level = 1 - (1 - confidence) / 2 if with_curve else confidence  # two tests: each at half the significance
+    level = each_test_confidence(confidence, 2 if with_curve else 1)
     planned = plan_guesses(claimed, delta, n_canaries, level) if plan else {}
     audit = audit_scores(scores, draw.included, delta, level, abstentions=[planned["steinke"]] if planned else None)
     curve = audit_curve(scores, draw.included, run_curves(engine.accountant, delta), level,
