@@ -12,7 +12,7 @@ from trl_userdp.audit import audit_gradient_canaries
 
 from .helpers import first_batch, make_private, rel_err
 from .tiny_models import MODELS, btl_pair_losses
-
+from .trainers.scripts import SCRIPTS, bf16_updates_by_mode
 
 
 @pytest.fixture
@@ -57,6 +57,17 @@ def test_the_white_box_audit_passes_an_honest_run_and_catches_a_broken_one_on_th
     assert honest.settings["device"] == device.type and honest.consistent, honest.summary()
     broken = audit_gradient_canaries(1000, before_training=quarter_noise, **common)
     assert not broken.consistent, broken.summary()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("script,trainer_cls,config_cls", SCRIPTS, ids=["reward", "dpo"])
+def test_the_trainers_train_privately_in_bf16_on_the_device(device, tmp_path, script, trainer_cls, config_cls):
+    """The reward and DPO trainers with ``bf16=True`` (autocast) on the device, σ = 0, every user clipped, gradient
+    accumulation 2: per-user hooks and ghost clipping take the same update to bf16's precision (the trainers place the
+    model on the device themselves: ``use_cpu`` only where the device is the CPU)."""
+    updates = bf16_updates_by_mode(script, trainer_cls, config_cls, str(tmp_path), use_cpu=device.type == "cpu")
+    assert all(torch.isfinite(u).all() and u.abs().sum() > 0 for u in updates.values())
+    assert rel_err(updates["ghost"], updates["hooks"]) < 2e-2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs instead of refusing")

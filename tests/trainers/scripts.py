@@ -4,7 +4,7 @@ config classes (the drop-in contract: swap the classes, add a user_id column, no
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers import LlamaConfig, LlamaForSequenceClassification, TrainerCallback
 
 from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
 
@@ -50,3 +50,25 @@ def dpo_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, pe
 
 #: (script, trainer class, config class) for the reward and the DPO trainer
 SCRIPTS = [(reward_script, UserDPRewardTrainer, UserDPRewardConfig), (dpo_script, UserDPDPOTrainer, UserDPDPOConfig)]
+
+
+class _Start(TrainerCallback):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.params = torch.cat([p.detach().float().flatten().clone() for p in model.parameters() if p.requires_grad])
+
+
+def bf16_updates_by_mode(script, trainer_cls, config_cls, output_dir, **config):
+    """Two private steps of ``script`` with ``bf16=True`` (autocast), σ = 0 and every user clipped (C = 0.05), once per
+    gradient mode: {mode: (trained parameters − initial ones, as one flat fp32 vector)}. With SGD at learning rate 1
+    the update is the private gradient itself (AdamW would rescale coordinates)."""
+    updates = {}
+    for mode in ("hooks", "ghost"):
+        start = _Start()
+        trainer = script(trainer_cls, config_cls, f"{output_dir}/{mode}", steps=2, bf16=True, callbacks=[start],
+                         gradient_accumulation_steps=2, users_per_batch=4.0, privacy_seed=0, noise_multiplier=0.0,
+                         target_epsilon=None, per_user_max_grad_norm=0.05, grad_sample_mode=mode, learning_rate=1.0,
+                         optim="sgd", **config)
+        assert trainer.args.bf16 and trainer.privacy_engine.accountant.steps_taken == 2
+        end = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters() if p.requires_grad])
+        updates[mode] = end.cpu() - start.params.cpu()
+    return updates
