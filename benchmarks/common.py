@@ -10,6 +10,7 @@ import time
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
+import torch
 from scipy import stats
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -46,7 +47,9 @@ def write_results(name: str, payload: dict, out_dir: str = RESULTS_DIR) -> str:
     payload = dict(payload)
     module = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     payload["command"] = " ".join(["python", "-m", f"benchmarks.{module}", *sys.argv[1:]])
-    payload["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    payload["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                          "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     payload["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
