@@ -172,11 +172,29 @@ def _fully_shard(module):
     return fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
 
 
-@pytest.mark.parametrize("wrap,reason", [(_ddp, "not a DistributedDataParallel wrapper"),
-                                         (_fully_shard, "parameters are sharded")])
-def test_a_wrapped_or_sharded_model_is_refused_before_training(tmp_path, wrap, reason):
-    """A DDP wrapper would average raw gradients; FSDP2's fully_shard leaves each process a shard of every parameter
-    (DTensors): each is refused with the reason, not a crash inside the set-up's collectives."""
+def _block_sharded(module):
+    """A Linear inside a sharded block (the layout the sharded path runs)."""
+    return _fully_shard(torch.nn.Sequential(module))
+
+
+def _partly_sharded(module):
+    """A sharded block beside a plain layer (fully_shard not applied to the root)."""
+    return torch.nn.Sequential(_block_sharded(module), torch.nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize("wrap,options,reason", [
+    (_ddp, {}, "not a DistributedDataParallel wrapper"),
+    (_block_sharded, {}, "needs grad_sample_mode='ghost'"),
+    (_fully_shard, {"grad_sample_mode": "ghost"}, "Linear layer is sharded on its own"),
+    (_partly_sharded, {"grad_sample_mode": "ghost"}, "Some parameters are sharded and some are not"),
+    (_block_sharded, {"grad_sample_mode": "ghost", "mechanism": "user_dpsgd_adaptive"},
+     "does not run on an FSDP2-sharded model"),
+])
+def test_a_wrapped_model_or_an_unsupported_sharding_is_refused_before_training(tmp_path, wrap, options, reason):
+    """A DDP wrapper would average raw gradients. On an FSDP2-sharded model (``fully_shard``) no process holds a
+    user's whole gradient: materialised per-user gradients, a Linear sharded on its own (the hooks compute by layer
+    type) and a mechanism built for unsharded models are refused with the reason, not a crash inside the set-up's
+    collectives (tests/test_sharded.py trains the supported layout)."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         model = wrap(torch.nn.Linear(5, 1))
@@ -184,6 +202,7 @@ def test_a_wrapped_or_sharded_model_is_refused_before_training(tmp_path, wrap, r
         with pytest.raises(ValueError, match=reason):
             trl_userdp.PrivacyEngine().make_private_user_level(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(dataset),
-                noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=UPB, user_ids=ids)
+                noise_multiplier=1.0, max_grad_norm=1.0, max_samples_per_user=5, users_per_batch=UPB, user_ids=ids,
+                **options)
     finally:
         dist.destroy_process_group()

@@ -1,10 +1,12 @@
 """Data-parallel helpers: the world the engine runs in (``torch.distributed``), seeds every rank
-must share, and identical starting parameters (what Opacus's ``DPDDP`` does at wrap time)."""
+must share, identical starting parameters (what Opacus's ``DPDDP`` does at wrap time), and the sharded layouts
+(FSDP2) the engine runs."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from typing import Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -57,3 +59,92 @@ def broadcast_parameters(module: nn.Module) -> None:
     """
     for p in module.parameters():
         torch.distributed.broadcast(p.data, src=0)
+
+
+# -- sharded models (FSDP2's fully_shard) -------------------------------------------------------
+def dtensor_class() -> type:
+    """``torch.distributed.tensor.DTensor`` (a class no parameter is an instance of where torch has no distributed
+    support)."""
+    if not torch.distributed.is_available():
+        return type("NoDTensor", (), {})
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether any parameter of ``module`` is a DTensor (FSDP2's ``fully_shard``, or another sharded layout).
+
+    Args:
+        module: The model.
+
+    Returns:
+        True if some parameter is sharded.
+    """
+    sharded = dtensor_class()
+    return any(isinstance(p, sharded) for p in module.parameters())
+
+
+def _fsdp_modules(module: nn.Module) -> List[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def check_sharding(module: nn.Module, packable: Tuple[type, ...]) -> None:
+    """Refuse a sharded layout the user-level path does not run: every parameter a DTensor sharded on dim 0 over one
+    mesh of all processes (FSDP2's ``fully_shard`` on blocks and the root, the layout its documentation recommends),
+    and no layer whose per-sample gradient the hooks compute (``packable``: ``nn.Linear``…) sharded on its own.
+
+    Args:
+        module: The model, after ``fully_shard``.
+        packable: The layer types the per-user hooks compute gradients for by type.
+
+    Raises:
+        ValueError: with the reason.
+    """
+    from torch.distributed.tensor import Shard
+
+    sharded = dtensor_class()
+    params = dict(module.named_parameters())
+    plain = [n for n, p in params.items() if not isinstance(p, sharded)]
+    if plain:
+        raise ValueError(f"Some parameters are sharded and some are not ({plain[0]!r} is a plain tensor): apply "
+                         "fully_shard to the root module as well, so that every parameter is sharded.")
+    for name, p in params.items():
+        if p.device_mesh.ndim != 1 or p.device_mesh.size() != world_size() or tuple(p.placements) != (Shard(0),):
+            raise ValueError(f"{name!r} is laid out as {tuple(p.placements)} over a mesh of shape "
+                             f"{tuple(p.device_mesh.shape)}: the user-level path runs FSDP2 with one mesh of all "
+                             f"{world_size()} processes and parameters sharded on dim 0 (fully_shard's default; no HSDP "
+                             "or tensor parallelism).")
+    for m in _fsdp_modules(module):
+        if isinstance(m, packable):
+            layer = next(c for c in type(m).__mro__ if c in packable)
+            raise ValueError(f"A {layer.__name__} layer is sharded on its own (fully_shard on the layer): "
+                             "the per-user hooks compute its gradients by layer type. Apply fully_shard to blocks "
+                             "(decoder layers) and to the root instead.")
+
+
+@contextlib.contextmanager
+def unsharded(module: nn.Module) -> Iterator[Dict[nn.Parameter, nn.Parameter]]:
+    """Gather every FSDP2 module's parameters for the duration of the block.
+
+    FSDP2 swaps each sharded parameter for one unsharded ``nn.Parameter`` (the same object at every forward and
+    backward pass) while a module runs; hooks that key per-sample state by parameter see that one.
+
+    Args:
+        module: The model, after ``fully_shard``.
+
+    Yields:
+        ``{sharded parameter: its unsharded parameter}``.
+    """
+    modules = _fsdp_modules(module)
+    sharded = dict(module.named_parameters())
+    for m in modules:
+        m.unshard()
+    try:
+        live = dict(module.named_parameters())
+        yield {sharded[name]: live[name] for name in sharded}
+    finally:
+        for m in modules:
+            m.reshard()

@@ -29,6 +29,7 @@ from .checkpoints import load_plain
 from .data import UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
 from .grad_sample import UserGhostHooks, UserGradSampleHooks, check_module, supply_position_ids
+from .grad_sample.ghost import PACKABLE
 from . import distributed
 from .mechanisms import GradientMechanism, get_mechanism
 from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer, get_optimizer_class
@@ -43,13 +44,6 @@ from .validators import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _dtensor_class() -> type:
-    """``torch.distributed.tensor.DTensor`` (imported where torch is built with distributed support)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
 
 
 #: Key of the private optimizer's own state in a checkpoint written by :meth:`PrivacyEngine.save_checkpoint`.
@@ -151,6 +145,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         opts = SetupOptions(**options)
         mech.check_setup(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                          world_size=distributed.world_size(), grad_sample_mode=opts.grad_sample_mode)
+        sharded = distributed.is_sharded(module)
+        if sharded:
+            self._check_sharded_setup(mech, opts)
         if noise_multiplier is None:
             if target_epsilon is None:
                 raise ValueError("Give `noise_multiplier`, or `target_epsilon` with `target_delta` (or both: a fixed σ "
@@ -163,14 +160,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 check_delta(target_delta)
         budget = None if target_epsilon is None else mech.budget(target_epsilon, target_delta)
         m = self._check_model(module, optimizer, max_samples_per_user)
-        opts = self._join_processes(module, opts)
+        opts = self._join_processes(module, opts, sharded=sharded)
         bounded = self._bound(data_loader, m, opts, target_delta)
         self._calibrated = noise_multiplier is None
         loader, expected_units, noise_multiplier, total_steps = self._plan(
             mech, bounded, data_loader, opts, m=m, users_per_batch=users_per_batch, epochs=epochs, steps=steps,
             noise_multiplier=noise_multiplier, budget=budget)
         dp_optimizer = self._make_optimizer(
-            get_optimizer_class(mech.clipping, distributed.world_size() > 1, opts.grad_sample_mode),
+            get_optimizer_class(mech.clipping, "sharded" if sharded else distributed.world_size() > 1,
+                                opts.grad_sample_mode),
             optimizer, module, opts, budget_guard=self._check_budget if budget is not None else None,
             noise_multiplier=noise_multiplier, expected_batch_size=expected_units,
             **mech.optimizer_options(max_grad_norm=max_grad_norm, expected_units=expected_units, steps=total_steps,
@@ -254,13 +252,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 "Pass the plain module, not a DistributedDataParallel wrapper: DDP would average the raw gradients "
                 "across processes; the engine shards users by rank and all-reduces the clipped, noised sums itself."
             )
-        sharded = _dtensor_class() if torch.distributed.is_available() else ()
-        if any(isinstance(p, sharded) for p in module.parameters()):
-            raise ValueError(
-                "This module's parameters are sharded (FSDP2's fully_shard, or another DTensor layout): no process holds "
-                "a user's whole gradient to clip, and the engine does not shard yet. Pass the plain module and use "
-                "data parallelism (torchrun / accelerate launch), which shards users instead."
-            )
+        if distributed.is_sharded(module):
+            distributed.check_sharding(module, PACKABLE)
         model_params = set(module.parameters())
         if any(p not in model_params for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)):
             raise ValueError("Module parameters are different than optimizer parameters.")
@@ -293,13 +286,26 @@ class PrivacyEngine(opacus.PrivacyEngine):
         )
 
     @staticmethod
-    def _join_processes(module: nn.Module, opts: SetupOptions) -> SetupOptions:
+    def _check_sharded_setup(mech: GradientMechanism, opts: SetupOptions) -> None:
+        """Refuse what does not run on an FSDP2-sharded model, with the reason."""
+        if opts.grad_sample_mode != "ghost":
+            raise ValueError("An FSDP2-sharded model needs grad_sample_mode='ghost': per-user ghost clipping needs no "
+                             "per-user gradient, which no process could hold for a sharded model.")
+        if mech.clipping != "flat":
+            raise ValueError(f"privacy_mechanism={mech.name!r} does not run on an FSDP2-sharded model: its "
+                             f"{mech.clipping!r} clipping is built for one process or data parallelism; use "
+                             "'user_dpsgd' or 'group', or data parallelism without sharding.")
+
+    @staticmethod
+    def _join_processes(module: nn.Module, opts: SetupOptions, *, sharded: bool = False) -> SetupOptions:
         """With several processes: the same bounding and sampling seeds and starting parameters on every
-        rank (a seed left to the OS is drawn on rank 0 and shared)."""
+        rank (a seed left to the OS is drawn on rank 0 and shared). A sharded model has no replicas to align: each
+        rank holds its own shard, as ``fully_shard`` made it."""
         if distributed.world_size() > 1:
             opts = dataclasses.replace(opts, bounding_seed=distributed.shared_seed(opts.bounding_seed),
                                        sampling_seed=distributed.shared_seed(opts.sampling_seed))
-            distributed.broadcast_parameters(module)
+            if not sharded:
+                distributed.broadcast_parameters(module)
         return opts
 
     def _install_accountant(self, sample_rate: float, events: StepEvent) -> None:
@@ -317,7 +323,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """Attach the per-user hooks and wrap ``optimizer`` in the mechanism's ``optimizer_class``."""
         self._position_hook = supply_position_ids(module)
         hooks_class = UserGhostHooks if opts.grad_sample_mode == "ghost" else UserGradSampleHooks
-        hooks = hooks_class(module, force_functorch=opts.grad_sample_mode == "functorch")
+        if distributed.is_sharded(module):  # the hooks key their state by the parameters FSDP2 gathers
+            with distributed.unsharded(module) as live_params:
+                hooks = hooks_class(module, force_functorch=False)
+            mechanism_options["live_params"] = live_params
+        else:
+            hooks = hooks_class(module, force_functorch=opts.grad_sample_mode == "functorch")
         return optimizer_class(
             optimizer,
             hooks=hooks,

@@ -33,9 +33,10 @@ nothing, as in the materialised path.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleHooksFastGradientClipping
@@ -77,6 +78,15 @@ def packing_index(slots: torch.Tensor, n_units: int) -> torch.Tensor:
     index = torch.full((n_units, int(counts.max()) if n_rows else 0), n_rows, dtype=torch.long)
     index[slots[order], rank] = order
     return index
+
+
+def _by_recorded(module: nn.Module, grads: Dict[nn.Parameter, torch.Tensor],
+                 params: List[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
+    """A sampler's ``{parameter: tensor}`` keyed by the layer's parameters as its backward pass saw them (``params``,
+    in ``trainable_parameters`` order): a layer sharded by FSDP2 holds its gathered parameters while it runs and its
+    shards afterwards, when the sums are taken."""
+    recorded = dict(zip([p for _, p in trainable_parameters(module)], params))
+    return {recorded[p]: g for p, g in grads.items() if p in recorded}
 
 
 def _as_one_sample(t: torch.Tensor) -> torch.Tensor:
@@ -148,6 +158,7 @@ class UserGhostHooks(UserGradSampleHooks):
             and all(owners[p] == 1 for _, p in trainable_parameters(module))
         }
         self.clip_factors: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self._placeholder = False
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._drop_grad) for p in self.param_names]
         #: how packable layers' unit norms are computed: "auto" (the cheaper per layer), "gram" or "direct"
         self.norm_route = "auto"
@@ -170,11 +181,34 @@ class UserGhostHooks(UserGradSampleHooks):
     def _drop_grad(self, p: nn.Parameter) -> None:
         """Autograd's ``p.grad`` (the unclipped sum) is not part of the update: note whether it was non-zero (a use
         the hooks did not see) and free it, unless the self-check still needs it."""
+        if self._placeholder:
+            p.grad = None
+            return
         if self.record_row_norms or not self.hooks_enabled:
             return
         nonzero = p.grad.ne(0).any()
         p._grad_nonzero = nonzero if getattr(p, "_grad_nonzero", None) is None else p._grad_nonzero | nonzero
         p.grad = None
+
+    @contextlib.contextmanager
+    def placeholder_pass(self) -> Iterator[None]:
+        """Forward and backward passes inside the block add nothing to the step: the hooks record nothing and
+        autograd's gradient is freed as it is accumulated.
+
+        On a model sharded by FSDP2 every rank must run every layer in every step (each layer's parameters are
+        gathered by a collective), also a rank whose shard of the draw has no user: it runs a placeholder batch (any
+        public input of the model's shape) in this block while the others run their users' rows.
+
+        Yields:
+            Nothing.
+        """
+        self.disable_hooks()
+        self._placeholder = True
+        try:
+            yield
+        finally:
+            self._placeholder = False
+            self.enable_hooks()
 
     def received_gradient(self, p: nn.Parameter) -> bool:
         """:meth:`UserGradSampleHooks.received_gradient`, also counting gradients freed by the hooks."""
@@ -273,12 +307,12 @@ class UserGhostHooks(UserGradSampleHooks):
         if record is None:
             record = self._records[module] = LayerRecord(params)
             if self._direct_route(module, activations, backprops, slots):
-                record.unit_grads = self._unit_grads(module, activations, backprops, slots, scale)
+                record.unit_grads = self._unit_grads(module, params, activations, backprops, slots, scale)
             else:
                 record.passes.append((activations, backprops, scale))
                 record.norm2, record.bound, record.rounding = self._gram_norms2(module, record.passes, slots)
         elif record.unit_grads is not None:  # another backward pass through a layer on the direct route
-            for p, g in self._unit_grads(module, activations, backprops, slots, scale).items():
+            for p, g in self._unit_grads(module, params, activations, backprops, slots, scale).items():
                 record.unit_grads[p] += g
         else:  # another backward pass through a layer on the Gram route: its norms are those of the summed passes
             record.passes.append((activations, backprops, scale))
@@ -307,18 +341,18 @@ class UserGhostHooks(UserGradSampleHooks):
         positions = self._packing_index(slots).shape[1] * (backprops[0].numel() // backprops.shape[-1])
         return positions * (activations[0].shape[-1] + backprops.shape[-1]) > weight.numel()
 
-    def _unit_grads(self, module: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
-                    slots: torch.Tensor, scale: float) -> Dict[nn.Parameter, torch.Tensor]:
+    def _unit_grads(self, module: nn.Module, params: List[nn.Parameter], activations: List[torch.Tensor],
+                    backprops: torch.Tensor, slots: torch.Tensor, scale: float) -> Dict[nn.Parameter, torch.Tensor]:
         """The direct route: each unit's gradient ``{param: [U, *p.shape]}`` from Opacus's grad sampler on the packed
         rows (with one row per unit, the rows themselves, reordered)."""
         index = self._packing_index(slots)
         if index.shape[1] == 1:
             rows = index[:, 0].to(backprops.device)
-            grads = {p: g.index_select(0, rows) for p, g in self.GRAD_SAMPLERS[type(module)](
-                module, activations, backprops).items() if p.requires_grad}
+            grads = {p: g.index_select(0, rows) for p, g in _by_recorded(module, self.GRAD_SAMPLERS[type(module)](
+                module, activations, backprops), params).items()}
         else:
-            grads = {p: g for p, g in self.GRAD_SAMPLERS[type(module)](
-                module, [_pack(a, index) for a in activations], _pack(backprops, index)).items() if p.requires_grad}
+            grads = _by_recorded(module, self.GRAD_SAMPLERS[type(module)](
+                module, [_pack(a, index) for a in activations], _pack(backprops, index)), params)
         return {p: g.mul_(scale) if scale != 1.0 else g for p, g in grads.items()}
 
     def _gram_norms2(self, module: nn.Module, passes: List[Tuple[List[torch.Tensor], torch.Tensor, float]],
@@ -368,11 +402,11 @@ class UserGhostHooks(UserGradSampleHooks):
         rounding = 4 * FP32_UNIT_ROUNDOFF * (math.sqrt(d) + math.sqrt(backprops.shape[-1]) + positions)
         return norm2 * scale ** 2, bound2.sqrt() * scale, rounding
 
-    def _whole_batch_gradient(self, module: nn.Module, activations: List[torch.Tensor],
+    def _whole_batch_gradient(self, module: nn.Module, params: List[nn.Parameter], activations: List[torch.Tensor],
                               backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
         grads = self.GRAD_SAMPLERS[type(module)](module, [_as_one_sample(a) for a in activations],
                                                  _as_one_sample(backprops))
-        return {p: g[0] for p, g in grads.items() if p.requires_grad}
+        return {p: g[0] for p, g in _by_recorded(module, grads, params).items()}
 
     def _add(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         grad = grad.to(p.dtype)
@@ -428,7 +462,8 @@ class UserGhostHooks(UserGradSampleHooks):
                                    for a in activations]
                 # the book-kept sum in fp32 (weights c_u/n_u per row), cast to the parameter's dtype once
                 scaled = _fp32(backprops) * _rows_view(row_weights * scale, backprops)
-                for p, g in self._whole_batch_gradient(module, [_fp32(a) for a in activations], scaled).items():
+                for p, g in self._whole_batch_gradient(module, record.params, [_fp32(a) for a in activations],
+                                                       scaled).items():
                     self._add(p, g)
         for p, sums in materialised + direct:
             if bad.any():
@@ -446,7 +481,7 @@ class UserGhostHooks(UserGradSampleHooks):
             p._check_sum = getattr(p, "_check_sum", 0.0) + g.sum(0) / n_rows
         for activations, backprops, scale in record.passes:
             check = backprops if scale == n_rows else backprops * (scale / n_rows)
-            for p, g in self._whole_batch_gradient(module, activations, check).items():
+            for p, g in self._whole_batch_gradient(module, record.params, activations, check).items():
                 p._check_sum = getattr(p, "_check_sum", 0.0) + g
 
     def _record_unit_grads(self, module: nn.Module, record: LayerRecord,
@@ -457,7 +492,7 @@ class UserGhostHooks(UserGradSampleHooks):
             return record.unit_grads
         total: Dict[nn.Parameter, torch.Tensor] = {}
         for activations, backprops, scale in record.passes:
-            for p, g in self._unit_grads(module, activations, backprops, row_slots, scale).items():
+            for p, g in self._unit_grads(module, record.params, activations, backprops, row_slots, scale).items():
                 total[p] = g if p not in total else total[p] + g
         return total
 

@@ -350,24 +350,23 @@ class UserDPOptimizerFastGradientClipping(UserDPOptimizer, DPOptimizerFastGradie
                 self.self_check = self.hooks.record_row_norms = False
 
 
-class DistributedUserDPOptimizer(UserDPOptimizer, DistributedDPOptimizer):
-    """User-wise DP-SGD across data-parallel processes: Opacus's ``DistributedDPOptimizer`` on per-user
-    gradients.
-
-    Users are sharded by rank (every user's rows on one process, so its averaged gradient and its clip
-    are exact there); each rank clips its own users, rank 0 alone adds ``N(0, σ²C²)``, and the sums are
-    all-reduced, so every rank applies ``(Σ_all clipped + noise) / ñ``. ``expected_batch_size`` is the
-    *global* ñ; each rank scales by ñ/W before Opacus's all-reduce divides by the world size W.
-    """
-
-    def __init__(self, optimizer: Optimizer, *, expected_batch_size: float, **kwargs):
-        world_size = torch.distributed.get_world_size()
-        super().__init__(optimizer, expected_batch_size=expected_batch_size / world_size, **kwargs)
-        self.global_expected_batch_size = float(expected_batch_size)
+class StopTogether:
+    """A check that fails on one process stops every process: each rank's ``pre_step`` (the single-process checks on
+    its own shard: self-check, stray forward, bypassed parameters) shares its failure before the step's collectives,
+    so no rank waits in one for a rank that raised."""
 
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
-        """The single-process checks (self-check, stray forward) run on each rank's own shard; a failure
-        on one rank is shared before the all-reduce, so every rank stops instead of waiting for it."""
+        """The wrapped ``pre_step``, its failure shared with every rank.
+
+        Args:
+            closure: As ``torch.optim.Optimizer.step``'s.
+
+        Returns:
+            The wrapped ``pre_step``'s result.
+
+        Raises:
+            ValueError: this rank's check failed, or another rank's did.
+        """
         try:
             result, error = super().pre_step(closure), None
         except ValueError as err:
@@ -379,6 +378,23 @@ class DistributedUserDPOptimizer(UserDPOptimizer, DistributedDPOptimizer):
         if failed.item():
             raise ValueError("Another process failed this step's checks (see its error); stopping here too.")
         return result
+
+
+class DistributedUserDPOptimizer(StopTogether, UserDPOptimizer, DistributedDPOptimizer):
+    """User-wise DP-SGD across data-parallel processes: Opacus's ``DistributedDPOptimizer`` on per-user
+    gradients.
+
+    Users are sharded by rank (every user's rows on one process, so its averaged gradient and its clip
+    are exact there); each rank clips its own users, rank 0 alone adds ``N(0, σ²C²)``, and the sums are
+    all-reduced, so every rank applies ``(Σ_all clipped + noise) / ñ``. ``expected_batch_size`` is the
+    *global* ñ; each rank scales by ñ/W before Opacus's all-reduce divides by the world size W. A check failing
+    on one rank stops every rank (:class:`StopTogether`).
+    """
+
+    def __init__(self, optimizer: Optimizer, *, expected_batch_size: float, **kwargs):
+        world_size = torch.distributed.get_world_size()
+        super().__init__(optimizer, expected_batch_size=expected_batch_size / world_size, **kwargs)
+        self.global_expected_batch_size = float(expected_batch_size)
 
 
 class DistributedUserDPOptimizerFastGradientClipping(DistributedUserDPOptimizer, UserDPOptimizerFastGradientClipping):

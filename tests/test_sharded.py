@@ -1,0 +1,147 @@
+"""User-wise DP-SGD on a model sharded by FSDP2 (``fully_shard`` on the decoder layers and the root), two gloo
+processes on CPU, full fine-tuning of the tiny Llama reward model: the same steps as one process, one noise draw per
+element of the full gradient, the single-process ε, and set-ups the sharded path does not run refused
+(docs/architecture.md, "Sharded models")."""
+
+import datetime
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from scipy import stats
+from torch.utils.data import DataLoader
+from trl.trainer.reward_trainer import DataCollatorForPreference
+
+import trl_userdp
+
+from .tiny_models import btl_pair_losses, preference_dataset, tiny_llama_rm
+
+N_USERS, UPB = 12, 6.0
+#: (σ, C, zero loss, norm route): σ = 0 and no user clipped; σ = 0 and every user clipped, with each layer's norms
+#: and sums from its per-user gradients (the route the tiny model's layers take) or from its Gram matrices and the
+#: book-kept sum (taken after the backward pass, when FSDP2 has resharded the layer); noise alone (the loss times 0);
+#: ñ = 1 (optional fifth entry), where a rank often has no user in a step but must still run the layers' collectives
+CASES = {"exact": (0.0, 1e6, False, "auto"), "clip": (0.0, 0.05, False, "auto"), "gram": (0.0, 0.05, False, "gram"),
+         "noise": (2.0, 0.5, True, "auto"), "sparse": (0.0, 0.05, False, "auto", 1.0)}
+
+
+def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _full(model: torch.nn.Module) -> torch.Tensor:
+    """The model's parameters as one flat vector (gathered from the shards: a collective on every rank)."""
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
+                      for p in model.parameters()])
+
+
+def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, *, sharded):
+    """One pass of private steps (SGD at learning rate 1, so each update is the private gradient); returns the
+    engine, the update of every step (full vectors) and the index ranges of the elements each rank owns."""
+    model = tiny_llama_rm()  # seeded: the same initial parameters on every rank
+    if sharded:
+        model = _shard(model)
+    dataset = preference_dataset(n_users=N_USERS, pairs_per_user=(1, 3, 2, 3, 1, 2) * 2)
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(dataset, collate_fn=DataCollatorForPreference(pad_token_id=0)),
+        noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, max_samples_per_user=3, users_per_batch=upb,
+        rows_per_example=2, sampling_seed=0, grad_sample_mode="ghost", noise_seed=5)
+    engine.hooks.norm_route = norm_route
+    placeholder = DataCollatorForPreference(pad_token_id=0)([{"chosen_ids": [1], "rejected_ids": [2]}])
+    updates, rows = [], []
+    for batch in loader:
+        rows.append(len(batch["input_ids"]))
+        optimizer.zero_grad()
+        if rows[-1] == 0:  # no user on this rank: the layers' collectives still run, on a public placeholder
+            with engine.hooks.placeholder_pass():
+                btl_pair_losses(model, placeholder).mean().backward()
+        else:
+            loss = btl_pair_losses(model, batch).mean()
+            (0.0 * loss if zero_loss else loss).backward()
+        before = _full(model)
+        optimizer.step()
+        updates.append(before - _full(model))
+    owned = []
+    if sharded:  # this rank's elements of the flat vector: rows [offset, offset + local rows) of each parameter
+        start = 0
+        for p in model.parameters():
+            local = p.to_local()
+            rows = torch.tensor([local.shape[0]])
+            all_rows = [torch.zeros_like(rows) for _ in range(dist.get_world_size())]
+            dist.all_gather(all_rows, rows)
+            offset = int(sum(r.item() for r in all_rows[: dist.get_rank()]))
+            row = p.numel() // p.shape[0]
+            owned.append((start + offset * row, start + (offset + local.shape[0]) * row))
+            start += p.numel()
+    return engine, torch.stack(updates), owned, rows
+
+
+def _worker(rank, world, tmp):
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for case, setting in CASES.items():
+            engine, updates, owned, rows = _train(*setting, sharded=True)
+            torch.save({"updates": updates, "owned": owned, "rows": rows, "epsilon": engine.get_epsilon(1e-5),
+                        "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Each case's result on both ranks: {case: [rank 0's, rank 1's]}."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(2, d), nprocs=2, join=True)
+        yield {case: [torch.load(Path(d) / f"{case}{r}.pt") for r in range(2)] for case in CASES}
+
+
+@pytest.mark.parametrize("case", ["exact", "clip", "gram", "sparse"])
+def test_the_sharded_steps_are_the_single_process_steps(ranks, case):
+    """σ = 0: the sharded update (each rank clips its users with the layers gathered, the clipped sums
+    reduce-scattered to the shards) equals the single-process ghost update, with no user clipped and with every
+    user clipped, on either norm route, and with steps where one rank has no user."""
+    _, single, _, _ = _train(*CASES[case], sharded=False)
+    assert (single.abs().sum(1) > 0).sum() >= 2  # real, non-empty steps
+    for r in ranks[case]:
+        rel = torch.linalg.vector_norm(r["updates"] - single) / torch.linalg.vector_norm(single)
+        assert rel < 1e-5, float(rel)
+    if case == "sparse":
+        r0, r1 = ranks[case][0]["rows"], ranks[case][1]["rows"]
+        assert any(a == 0 < b or b == 0 < a for a, b in zip(r0, r1))  # one rank empty, the other not
+
+
+def test_every_element_gets_one_noise_draw_and_the_epsilon_is_the_single_process_one(ranks):
+    """σ > 0, loss × 0: the update is the noise alone, std σC/ñ on every element of the full parameter: on the
+    elements each rank owns and over all of them (an element noised by both ranks would have twice the variance, one
+    noised by none zero). Both ranks see the same update and account the single-process ε."""
+    sigma, clip, _, route = CASES["noise"]
+    r0, r1 = ranks["noise"]
+    torch.testing.assert_close(r0["updates"], r1["updates"], rtol=0, atol=0)
+    noise = r0["updates"].double()
+    expected_var = (sigma * clip / UPB) ** 2
+    regions = {"all": noise.flatten()}
+    for rank, r in enumerate(ranks["noise"]):
+        regions[f"rank {rank}"] = torch.cat([noise[:, a:b] for a, b in r["owned"]], 1).flatten()
+    assert regions["rank 0"].numel() + regions["rank 1"].numel() == regions["all"].numel()
+    for name, x in regions.items():
+        n = x.numel()
+        lo, hi = stats.chi2.interval(0.999, n)
+        stat = float((x ** 2).sum()) / expected_var  # mean zero: Σx²/σ² ~ χ²(n)
+        assert lo <= stat <= hi, (name, stat / n)
+    single, _, _, _ = _train(sigma, clip, True, route, sharded=False)
+    for r in ranks["noise"]:
+        assert r["steps"] == single.accountant.steps_taken
+        assert r["epsilon"] == pytest.approx(single.get_epsilon(1e-5), rel=1e-12)
