@@ -24,9 +24,11 @@ N_USERS, UPB = 12, 6.0
 #: (σ, C, zero loss, norm route): σ = 0 and no user clipped; σ = 0 and every user clipped, with each layer's norms
 #: and sums from its per-user gradients (the route the tiny model's layers take) or from its Gram matrices and the
 #: book-kept sum (taken after the backward pass, when FSDP2 has resharded the layer); noise alone (the loss times 0);
-#: ñ = 1 (optional fifth entry), where a rank often has no user in a step but must still run the layers' collectives
+#: ñ = 1 (optional fifth entry), where a rank often has no user in a step but must still run the layers' collectives;
+#: each draw as 3 micro-batches of whole users (optional sixth), each clipped and reduce-scattered in turn
 CASES = {"exact": (0.0, 1e6, False, "auto"), "clip": (0.0, 0.05, False, "auto"), "gram": (0.0, 0.05, False, "gram"),
-         "noise": (2.0, 0.5, True, "auto"), "sparse": (0.0, 0.05, False, "auto", 1.0)}
+         "noise": (2.0, 0.5, True, "auto"), "sparse": (0.0, 0.05, False, "auto", 1.0),
+         "micro": (0.0, 0.05, False, "gram", UPB, 3)}
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -45,7 +47,7 @@ def _full(model: torch.nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, *, sharded):
+def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micro_batches=1, *, sharded):
     """One pass of private steps (SGD at learning rate 1, so each update is the private gradient); returns the
     engine, the update of every step (full vectors) and the index ranges of the elements each rank owns."""
     model = tiny_llama_rm()  # seeded: the same initial parameters on every rank
@@ -57,22 +59,23 @@ def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, *, s
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         data_loader=DataLoader(dataset, collate_fn=DataCollatorForPreference(pad_token_id=0)),
         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, max_samples_per_user=3, users_per_batch=upb,
-        rows_per_example=2, sampling_seed=0, grad_sample_mode="ghost", noise_seed=5)
+        rows_per_example=2, sampling_seed=0, grad_sample_mode="ghost", noise_seed=5, micro_batches=micro_batches)
     engine.hooks.norm_route = norm_route
     placeholder = DataCollatorForPreference(pad_token_id=0)([{"chosen_ids": [1], "rejected_ids": [2]}])
     updates, rows = [], []
-    for batch in loader:
+    for i, batch in enumerate(loader):
         rows.append(len(batch["input_ids"]))
-        optimizer.zero_grad()
         if rows[-1] == 0:  # no user on this rank: the layers' collectives still run, on a public placeholder
             with engine.hooks.placeholder_pass():
                 btl_pair_losses(model, placeholder).mean().backward()
         else:
             loss = btl_pair_losses(model, batch).mean()
             (0.0 * loss if zero_loss else loss).backward()
-        before = _full(model)
-        optimizer.step()
-        updates.append(before - _full(model))
+        if i % micro_batches == micro_batches - 1:
+            before = _full(model)
+            optimizer.step()
+            optimizer.zero_grad()
+            updates.append(before - _full(model))
     owned = []
     if sharded:  # this rank's elements of the flat vector: rows [offset, offset + local rows) of each parameter
         start = 0
@@ -108,11 +111,11 @@ def ranks():
         yield {case: [torch.load(Path(d) / f"{case}{r}.pt") for r in range(2)] for case in CASES}
 
 
-@pytest.mark.parametrize("case", ["exact", "clip", "gram", "sparse"])
+@pytest.mark.parametrize("case", ["exact", "clip", "gram", "sparse", "micro"])
 def test_the_sharded_steps_are_the_single_process_steps(ranks, case):
     """σ = 0: the sharded update (each rank clips its users with the layers gathered, the clipped sums
     reduce-scattered to the shards) equals the single-process ghost update, with no user clipped and with every
-    user clipped, on either norm route, and with steps where one rank has no user."""
+    user clipped, on either norm route, with steps where one rank has no user, and in micro-batches."""
     _, single, _, _ = _train(*CASES[case], sharded=False)
     assert (single.abs().sum(1) > 0).sum() >= 2  # real, non-empty steps
     for r in ranks[case]:

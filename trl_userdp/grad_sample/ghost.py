@@ -34,6 +34,7 @@ nothing, as in the materialised path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -158,6 +159,9 @@ class UserGhostHooks(UserGradSampleHooks):
             and all(owners[p] == 1 for _, p in trainable_parameters(module))
         }
         self.clip_factors: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        #: for a model sharded by FSDP2: ``{gathered parameter: its shard (DTensor)}``; the step's sums are then kept
+        #: as this rank's shards of the sums over all ranks (:meth:`_emit`)
+        self.shards: Optional[Dict[nn.Parameter, nn.Parameter]] = None
         self._placeholder = False
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._drop_grad) for p in self.param_names]
         #: how packable layers' unit norms are computed: "auto" (the cheaper per layer), "gram" or "direct"
@@ -412,6 +416,33 @@ class UserGhostHooks(UserGradSampleHooks):
         grad = grad.to(p.dtype)
         self.clipped[p] = grad if p not in self.clipped else self.clipped[p] + grad
 
+    def _emit(self, groups: Dict[nn.Parameter, Callable[[], Dict[nn.Parameter, torch.Tensor]]]) -> None:
+        """Add a micro-batch's clipped sums to the step's: ``groups[p]()`` computes the sums of ``p``'s layer (once
+        for all its parameters).
+
+        With :attr:`shards` (a model sharded by FSDP2), each parameter's sum over this rank's users is summed over the
+        ranks and scattered to the shards at once, in the model's parameter order on every rank (zeros where this
+        rank has nothing), so that no rank holds more than one layer's full sums: :attr:`clipped` keeps this rank's
+        shard of ``Σ_{all ranks' users} c_u ḡ_u``."""
+        if self.shards is None:
+            for group in dict.fromkeys(groups.values()):
+                for p, g in group().items():
+                    self._add(p, g)
+            return
+        from torch.distributed.tensor import DTensor, Partial
+
+        computed: Dict[nn.Parameter, torch.Tensor] = {}
+        for p in self.param_names:  # the same order on every rank
+            if p not in computed and p in groups:
+                computed = groups[p]()  # this layer's parameters (the previous layer's sums are freed)
+            full = computed.pop(p, None)
+            full = torch.zeros(p.shape, dtype=p.dtype, device=p.device) if full is None else full.to(p.dtype)
+            shard = self.shards[p]
+            local = DTensor.from_local(full, shard.device_mesh, [Partial()], shape=shard.shape, stride=shard.stride()
+                                       ).redistribute(shard.device_mesh, shard.placements).to_local()
+            del full
+            self.clipped[p] = local if p not in self.clipped else self.clipped[p] + local
+
     def _flush(self) -> None:
         """Clip the current micro-batch's units and add ``Σ_u c_u ḡ_u`` to the step's sums; free its tensors.
 
@@ -421,6 +452,8 @@ class UserGhostHooks(UserGradSampleHooks):
         so that rounding never lets a unit past the clip (docs/privacy_model.md, "Precision and paths")."""
         n_units = len(self.unit_ids)
         if n_units == 0 or self._row_slots is None:
+            if self.shards is not None:  # no user here, but every rank joins each parameter's reduce-scatter
+                self._emit({})
             self._reset_micro_batch()
             return
         if self.clip_factors is None:
@@ -454,7 +487,9 @@ class UserGhostHooks(UserGradSampleHooks):
         self.unit_norms.append(norms)
         weights = torch.where(bad, torch.zeros(()), self.clip_factors(norms).cpu() / counts)  # c_u / n_u
         rows_bad, row_weights = bad[row_slots], weights[row_slots]
-        for module, record in self._records.items():
+
+        def book_kept(module: nn.Module, record: LayerRecord) -> Dict[nn.Parameter, torch.Tensor]:
+            total: Dict[nn.Parameter, torch.Tensor] = {}
             for activations, backprops, scale in record.passes:
                 if bad.any():
                     backprops = backprops.masked_fill(_rows_view(rows_bad, backprops), 0)
@@ -464,12 +499,24 @@ class UserGhostHooks(UserGradSampleHooks):
                 scaled = _fp32(backprops) * _rows_view(row_weights * scale, backprops)
                 for p, g in self._whole_batch_gradient(module, record.params, [_fp32(a) for a in activations],
                                                        scaled).items():
-                    self._add(p, g)
-        for p, sums in materialised + direct:
+                    g = g.to(p.dtype)
+                    total[p] = g if p not in total else total[p] + g
+            return total
+
+        def weighted(p: nn.Parameter, sums: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
             if bad.any():
                 sums = sums.masked_fill(_rows_view(bad, sums), 0)
             unit_weights = round_down(weights, sums.dtype).to(sums.device)
-            self._add(p, torch.einsum("u,u...->...", unit_weights, sums))
+            return {p: torch.einsum("u,u...->...", unit_weights, sums)}
+
+        groups: Dict[nn.Parameter, Callable[[], Dict[nn.Parameter, torch.Tensor]]] = {}
+        for module, record in self._records.items():
+            if record.passes:
+                group = functools.partial(book_kept, module, record)
+                groups.update({p: group for p in record.params})
+        for p, sums in materialised + direct:
+            groups[p] = functools.partial(weighted, p, sums)
+        self._emit(groups)
         self.units_seen.update(self.unit_ids)
         self.non_finite_units |= bool(bad.any())
         self._reset_micro_batch()
@@ -516,7 +563,8 @@ class UserGhostHooks(UserGradSampleHooks):
             params: The parameters whose sums are wanted.
 
         Returns:
-            ``Σ_u c_u ḡ_u`` for each of ``params``, in order (zeros where no unit reached it).
+            ``Σ_u c_u ḡ_u`` for each of ``params``, in order (zeros where no unit reached it); with :attr:`shards`,
+            this rank's shard of the sum over every rank's units.
 
         Raises:
             ValueError: If :attr:`clip_factors` is not set while units are pending.

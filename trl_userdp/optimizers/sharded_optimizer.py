@@ -6,10 +6,10 @@ Users are sharded by rank as under data parallelism, so each user's rows, norm a
 layer runs, FSDP2 has gathered its parameters, and :class:`~trl_userdp.grad_sample.UserGhostHooks` (built on the
 gathered parameters) computes each user's ghost norm and the book-kept clipped sum ``Σ_u c_u ḡ_u`` from the layer's
 activations and output gradients, as on one process. Autograd's own gradient (the unclipped one) is freed as it is
-accumulated, so FSDP2 has nothing to reduce-scatter. At the step each parameter's clipped sum is summed over the
-ranks and scattered to the shards in one collective (a ``Partial`` DTensor redistributed to FSDP2's ``Shard(0)``
-layout, uneven shards included), and each rank adds ``N(0, σ²C²)`` to the elements it owns: every element of the full
-gradient gets exactly one draw.
+accumulated, so FSDP2 has nothing to reduce-scatter. As each micro-batch is clipped, each layer's clipped sum is
+summed over the ranks and scattered to the shards in one collective (a ``Partial`` DTensor redistributed to FSDP2's
+``Shard(0)`` layout, uneven shards included), so no rank holds more than one layer's full sums; at the step each rank
+adds ``N(0, σ²C²)`` to the elements it owns: every element of the full gradient gets exactly one draw.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class ShardedUserDPOptimizerFastGradientClipping(StopTogether, UserDPOptimizerFa
         kwargs["self_check"] = False
         super().__init__(optimizer, **kwargs)
         self.live_params = live_params
+        self.hooks.shards = {live: sharded for sharded, live in live_params.items()}
         self.rank = torch.distributed.get_rank()
 
     def _live(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -61,15 +62,12 @@ class ShardedUserDPOptimizerFastGradientClipping(StopTogether, UserDPOptimizerFa
             self.generator.manual_seed(derive_seed(self.noise_seed, "noise", self.step_index(), self.rank))
 
     def accumulate(self) -> None:
-        """``p.summed_grad`` = this rank's shard of ``Σ_{all ranks' users} c_u ḡ_u``: each rank's clipped sums, summed
-        over the ranks and scattered to the shards by one collective per parameter."""
-        from torch.distributed.tensor import DTensor, Partial
-
+        """``p.summed_grad`` = this rank's shard of ``Σ_{all ranks' users} c_u ḡ_u``, which the hooks keep (each
+        layer's clipped sums reduce-scattered to the shards as each micro-batch is clipped)."""
         self._check_backward_complete()
         live = [self._live(p) for p in self.params]
         for p, summed in zip(self.params, self.hooks.clipped_sums(live)):
-            partial = DTensor.from_local(summed, p.device_mesh, [Partial()], shape=p.shape, stride=p.stride())
-            p.summed_grad = partial.redistribute(p.device_mesh, p.placements).to_local()
+            p.summed_grad = summed
         if self.hooks.units_in_step > 0:
             for p, q in zip(self.params, live):
                 if q not in self.hooks.touched:
