@@ -16,9 +16,10 @@ non-private runs take ñ/W rows per rank, the expected size. Per rank:
 
 - **state**: the bytes of parameters, gradients (with the private optimizer's clipped sums) and optimizer state held
   when the step's update is computed, counted over distinct storages (each rank's local shards for FSDP2);
-- **peak extra RSS**: the process's peak resident set during the steps minus before the model was built (parameters,
-  gradients, optimizer state, activations, buffers of the collectives): on CPU, ``VmHWM``; on CUDA, the allocator's
-  peak;
+- **peak extra**: the process's peak memory during the steps minus what it held once the model was built, sharded and
+  made private (gradients, optimizer state, activations, gathered parameters, buffers of the collectives): on CPU the
+  resident set (``VmHWM``, step_cost's measure), on CUDA the allocator's peak. It includes activations, which are the
+  same for both layouts, so its ratio is nearer 1 than the state's;
 - **time**: the median seconds of a step.
 
 Ratios: FSDP2's to DDP's (the memory sharding saves) and each private run's to the non-private run of its layout (the
@@ -34,9 +35,15 @@ import argparse
 import datetime
 import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Dict, List
+
+if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ and __name__ == "__main__":
+    # as step_cost: freed tensors go back to the OS, so the resident set measures live memory (the workers inherit it)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.sharding", *sys.argv[1:]])
 
 import torch
 import torch.distributed as dist
@@ -89,7 +96,6 @@ def _run(method: str, args, device: torch.device) -> Dict[str, float]:
     import trl_userdp
 
     memory = Memory(device)
-    memory.start()
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _llama(lora=False).to(device)
     layout, private = method.split(" ", 1)
@@ -104,6 +110,7 @@ def _run(method: str, args, device: torch.device) -> Dict[str, float]:
         if layout == "ddp":
             model = nn.parallel.DistributedDataParallel(model)
         rows = max(1, round(args.users_per_step / world))
+        memory.start()
         for step in range(args.steps + 1):
             batch = _inputs(ids[(step * world + rank) * rows:(step * world + rank + 1) * rows].to(device))
             start = time.perf_counter()
@@ -123,6 +130,7 @@ def _run(method: str, args, device: torch.device) -> Dict[str, float]:
         hooks = engine.hooks
         optimizer.attach_step_hook(lambda opt: state.append(_state_bytes(model, opt, list(hooks.clipped.values()))))
         placeholder = _inputs(ids[:1].to(device))
+        memory.start()
         for step, (batch_ids,) in enumerate(loader):
             if step > args.steps:
                 break

@@ -85,3 +85,14 @@ def test_the_audit_benchmark_writes_its_table(tmp_path):
     assert results["σ/4 (claims σ)|4.0|200"]["fdp_mean"] > results["honest|4.0|200"]["fdp_mean"]
     assert 0 < results["honest|4.0|200"]["ceiling"] < 4.0
     assert (tmp_path / "audit.json").exists()
+
+
+@pytest.mark.slow  # four pairs of processes building a 19.5 M-parameter model: about a minute
+def test_the_sharding_benchmark_halves_the_state_per_rank(tmp_path):
+    from benchmarks import sharding
+
+    out = sharding.main(["--steps", "1", "--seq", "16", "--methods", "ddp user ghost", "fsdp2 user ghost",
+                         "--out", str(tmp_path)])
+    ratio = out["fsdp2 user ghost"]["state_bytes"] / out["ddp user ghost"]["state_bytes"]
+    assert 0.4 < ratio < 0.6, ratio  # parameters, gradients and AdamW's state sharded over two ranks
+    assert os.path.exists(tmp_path / "sharding.json")
