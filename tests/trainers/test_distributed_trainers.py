@@ -30,8 +30,7 @@ def _free_port() -> int:
 
 def _run(kind: str, out: str, **settings):
     script, trainer_cls, config_cls = SCRIPTS[kind]
-    trainer = script(trainer_cls, config_cls, out, users_per_batch=4.0, privacy_seed=0, **settings)
-    return trainer
+    return script(trainer_cls, config_cls, out, **{"users_per_batch": 4.0, "privacy_seed": 0, **settings})
 
 
 def _inject_a_failing_check() -> None:
@@ -57,7 +56,9 @@ def _worker(rank: int, world: int, port: int, jobs: list):
             # what this process sees when save_model returns: the main process's last file must be written already
             written = os.path.isfile(os.path.join(out, "privacy_report.json"))
             engine = trainer.privacy_engine
-            result = {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            # a sharded model's parameters gathered in full (a collective both ranks run in the same order)
+            result = {"params": {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                                 for k, v in trainer.model.state_dict().items()},
                       "history": engine.accountant.history, "world_size": torch.distributed.get_world_size(),
                       "ddp": type(trainer.model_wrapped).__name__, "steps": trainer.state.global_step,
                       "written_when_save_returned": written}
@@ -91,6 +92,10 @@ NOISY = dict(steps=2, target_epsilon=3.0, accountant="rdp")  # RDP calibrates σ
 SIGMA, CLIP, N_TILDE = 10.0, 0.1, 4.0
 ONE_NOISY_STEP = dict(steps=1, noise_multiplier=SIGMA, target_epsilon=None, per_user_max_grad_norm=CLIP, optim="sgd",
                       learning_rate=1.0)
+#: FSDP2 (fully_shard on the decoder layers and the root before the trainer), ghost clipping; ñ = 1 of 8 users, so that
+#: in most steps one process has no user and runs the placeholder pass
+SHARDED = dict(sharded=True, grad_sample_mode="ghost")
+SHARDED_EXACT = dict(steps=6, users_per_batch=1.0, **SHARDED, **EXACT)
 
 
 @pytest.fixture(scope="module", params=REWARD_THEN_SLOW_DPO)
@@ -98,6 +103,8 @@ def runs(request, tmp_path_factory):
     """The kind, and every two-process run of this file for it, on one pair of processes: the failing check last."""
     kind = request.param
     jobs = [("dist", STEPS_EXACT, -1), ("dist_eps", NOISY, -1), ("noise", ONE_NOISY_STEP, -1),
+            ("sharded", SHARDED_EXACT, -1), ("sharded_eps", dict(**NOISY, **SHARDED), -1),
+            ("sharded_noise", dict(**ONE_NOISY_STEP, **SHARDED), -1),
             ("refuse", dict(steps=1, privacy_mechanism="user_dpsgd_adaptive"), -1), ("fail", dict(steps=2, **EXACT), 1)]
     return kind, _two_processes(tmp_path_factory.mktemp(f"dist_{kind}"), kind, jobs)
 
@@ -129,14 +136,50 @@ def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(runs, 
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
 
 
-def test_one_noise_draw_across_processes(runs):
-    """One step, σ = 10: the update is noise of std σC/ñ per coordinate (the clipped users' sum, ≤ 2C in norm, is
-    negligible against the noise's norm σC/ñ·√n); a draw per rank would double the variance."""
+def test_a_model_sharded_by_fsdp2_takes_the_single_process_steps_and_spends_its_epsilon(runs, tmp_path):
+    """Issue 28: the trainer on a model sharded by FSDP2 before it (the Trainer neither wraps nor re-shards it): σ = 0
+    and no user clipped, six steps in which a process often has no user (its placeholder pass runs the layers'
+    collectives): the single-process model; with noise, the single-process ε; the saved model is the full one."""
     kind, runs = runs
-    _, ranks = runs["noise"]
+    out, ranks = runs["sharded"]
     assert all("error" not in r for r in ranks), ranks
+    assert ranks[0]["ddp"].startswith("FSDP") and ranks[0]["steps"] == 6
+    single = _run(kind, str(tmp_path / "single"), **{**SHARDED_EXACT, "sharded": False})
+    start = _fresh(kind)
+    for name, value in single.model.state_dict().items():
+        for r in ranks:
+            update, expected = r["params"][name] - start[name], value.detach() - start[name]
+            torch.testing.assert_close(update, expected, atol=1e-7, rtol=1e-5, msg=name)
+    assert any(not torch.equal(v.detach(), start[k]) for k, v in single.model.state_dict().items())
+    saved = _saved(kind, out)  # save_model gathered the shards into one model on the main process
+    for name, value in saved.items():
+        torch.testing.assert_close(value, ranks[0]["params"][name], atol=0, rtol=0, msg=name)
+    out, _ = runs["sharded_eps"]
+    single = _run(kind, str(tmp_path / "single_eps"), **NOISY)
+    assert PrivacyReport.load(out).epsilon == pytest.approx(single.privacy_report().epsilon, rel=1e-12)
+
+
+def _fresh(kind):
     tokenizer = tiny_tokenizer()
-    start = (tiny_reward_model(tokenizer) if kind == "reward" else tiny_llama_lm(len(tokenizer))).state_dict()
+    return (tiny_reward_model(tokenizer) if kind == "reward" else tiny_llama_lm(len(tokenizer))).state_dict()
+
+
+def _saved(kind, out):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
+    return auto.from_pretrained(out).state_dict()
+
+
+@pytest.mark.parametrize("job", ["noise", "sharded_noise"])
+def test_one_noise_draw_across_processes(runs, job):
+    """One step, σ = 10: the update is noise of std σC/ñ per coordinate (the clipped users' sum, ≤ 2C in norm, is
+    negligible against the noise's norm σC/ñ·√n); a draw per rank would double the variance, none on some elements
+    (sharded: each process draws for the elements it owns) would shrink it."""
+    kind, runs = runs
+    _, ranks = runs[job]
+    assert all("error" not in r for r in ranks), ranks
+    start = _fresh(kind)
     update = torch.cat([(start[k] - v).flatten() for k, v in ranks[0]["params"].items()]).double()
     n = update.numel()
     expected_var = (SIGMA * CLIP / N_TILDE) ** 2

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import os
@@ -28,6 +29,7 @@ from transformers import TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .. import distributed
 from ..accountants import PrivacyReport
 from ..checkpoints import load_plain
 from ..data import check_text_columns, resolve_user_ids
@@ -135,6 +137,12 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             if refusals:
                 raise ValueError(refusals[0])
         bound.arguments["train_dataset"] = self._prepare_train_dataset(bound.arguments.get("train_dataset"), config)
+        model = bound.arguments.get("model")
+        if self._privacy.gradient and isinstance(model, torch.nn.Module) and distributed.is_sharded(model):
+            # Sharded by FSDP2 before the trainer (fully_shard, or from_pretrained(distributed_config=...), which sets
+            # this too): the engine reduces the clipped sums itself, so the Trainer must neither wrap the model in DDP
+            # nor have accelerate shard it again (transformers' flag for a model that owns its gradient reduction)
+            model._is_distributed_loading_by_transformers = True
         super().__init__(*bound.args, **bound.kwargs)
         self._init_privacy()
 
@@ -286,7 +294,8 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """TRL's step, but no forward pass for an empty draw or a spent budget, and no raw all-reduce under DDP."""
+        """TRL's step, but no forward pass for an empty draw (a placeholder's on a sharded model) or a spent budget, and
+        no raw all-reduce under DDP."""
         if self._dp_active:  # the loader yields each draw as gradient_accumulation_steps micro-batches
             self._continuation = self._draw_part > 0
             self._draw_part = (self._draw_part + 1) % self.args.gradient_accumulation_steps
@@ -300,6 +309,8 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             # takes its noise-only step, and the accountant counts it.
             inputs.pop(USER_KEY, None)
             self.privacy_engine.hooks.set_row_users(torch.zeros(0, dtype=torch.long), continuation=self._continuation)
+            if distributed.is_sharded(model):
+                self._placeholder_pass(model)
             return torch.zeros((), device=self.args.device)
         if self._dp_active and isinstance(model, DistributedDataParallel):
             # Data-parallel: every process holds its own users (sharded by rank) and clips them; the private optimizer
@@ -308,6 +319,21 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             with model.no_sync():
                 return super().training_step(model, inputs, num_items_in_batch)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _placeholder_pass(self, model) -> None:
+        """On a model sharded by FSDP2 a process with no user in a micro-batch still runs every layer (each gathers its
+        parameters by a collective the other processes wait in): the loss of a placeholder, the training set's first
+        example with every token list replaced by one padding token, inside the hooks' placeholder pass (nothing
+        recorded, its gradient freed as it is accumulated). The trainer's metrics are left as they were."""
+        example = {k: v for k, v in self.train_dataset[0].items() if k != self.args.user_column}
+        pad = getattr(self.processing_class, "pad_token_id", None) or 0
+        example = {k: [pad] if isinstance(v, list) and v and isinstance(v[0], int) else v for k, v in example.items()}
+        batch = self._prepare_inputs(self.data_collator([example]))
+        metrics = copy.deepcopy(getattr(self, "_metrics", None))
+        with self.privacy_engine.hooks.placeholder_pass(), _rank_local_gathers(self.accelerator):
+            self.accelerator.backward(super().compute_loss(model, batch))
+        if metrics is not None:
+            self._metrics = metrics
 
     def train(self, *args, **kwargs):
         """TRL's training; the model then carries its privacy report, and the mean training loss is not returned."""
@@ -405,6 +431,18 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
                 "Resuming would under-count the privacy spent (the state was edited or belongs to another run); "
                 "refusing to resume."
             )
+
+    def _save(self, output_dir: Optional[str] = None, state_dict: Optional[Dict[str, Any]] = None) -> None:
+        """The Trainer's save; a model sharded by FSDP2 is first gathered into one full state dict on the main process
+        (a collective every process joins), so that the saved model reloads with ``from_pretrained`` alone."""
+        if state_dict is None and distributed.is_sharded(self.model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                                  cpu_offload=True))
+            if not self.args.should_save:
+                return
+        super()._save(output_dir, state_dict=state_dict)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
