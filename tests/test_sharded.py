@@ -47,6 +47,20 @@ def _full(model: torch.nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
+#: a public one-pair batch, which a process with no user in a step runs (every process must run every layer)
+PLACEHOLDER = DataCollatorForPreference(pad_token_id=0)([{"chosen_ids": [1], "rejected_ids": [2]}])
+
+
+def _backward(engine, model, batch, scale=1.0):
+    """The batch's mean pair loss (times ``scale``) backpropagated, or, with no row on this process, the placeholder's
+    inside the hooks' placeholder pass."""
+    if len(batch["input_ids"]):
+        (scale * btl_pair_losses(model, batch).mean()).backward()
+        return
+    with engine.hooks.placeholder_pass():
+        btl_pair_losses(model, PLACEHOLDER).mean().backward()
+
+
 def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micro_batches=1, *, sharded):
     """One pass of private steps (SGD at learning rate 1, so each update is the private gradient); returns the
     engine, the update of every step (full vectors) and the index ranges of the elements each rank owns."""
@@ -61,16 +75,10 @@ def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micr
         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, max_samples_per_user=3, users_per_batch=upb,
         rows_per_example=2, sampling_seed=0, grad_sample_mode="ghost", noise_seed=5, micro_batches=micro_batches)
     engine.hooks.norm_route = norm_route
-    placeholder = DataCollatorForPreference(pad_token_id=0)([{"chosen_ids": [1], "rejected_ids": [2]}])
     updates, rows = [], []
     for i, batch in enumerate(loader):
         rows.append(len(batch["input_ids"]))
-        if rows[-1] == 0:  # no user on this rank: the layers' collectives still run, on a public placeholder
-            with engine.hooks.placeholder_pass():
-                btl_pair_losses(model, placeholder).mean().backward()
-        else:
-            loss = btl_pair_losses(model, batch).mean()
-            (0.0 * loss if zero_loss else loss).backward()
+        _backward(engine, model, batch, 0.0 if zero_loss else 1.0)
         if i % micro_batches == micro_batches - 1:
             before = _full(model)
             optimizer.step()
@@ -99,16 +107,20 @@ def _worker(rank, world, tmp):
             engine, updates, owned, rows = _train(*setting, sharded=True)
             torch.save({"updates": updates, "owned": owned, "rows": rows, "epsilon": engine.get_epsilon(1e-5),
                         "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
+        _resume(rank, tmp)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    """Each case's result on both ranks: {case: [rank 0's, rank 1's]}."""
+    """Each case's result on both ranks: {case: [rank 0's, rank 1's]}, and the resumed run's, with the checkpoint's
+    files ("resume")."""
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, d), nprocs=2, join=True)
-        yield {case: [torch.load(Path(d) / f"{case}{r}.pt") for r in range(2)] for case in CASES}
+        results = {case: [torch.load(Path(d) / f"{case}{r}.pt") for r in range(2)] for case in (*CASES, "resume")}
+        results["checkpoint_files"] = sorted(os.listdir(Path(d) / "checkpoint"))
+        yield results
 
 
 @pytest.mark.parametrize("case", ["exact", "clip", "gram", "sparse", "micro"])
@@ -148,3 +160,89 @@ def test_every_element_gets_one_noise_draw_and_the_epsilon_is_the_single_process
     for r in ranks["noise"]:
         assert r["steps"] == single.accountant.steps_taken
         assert r["epsilon"] == pytest.approx(single.get_epsilon(1e-5), rel=1e-12)
+
+
+def _resume(rank, tmp):
+    """Four noisy steps straight, and two steps, a checkpoint, a fresh set-up that loads it, and two more."""
+    def run(steps, save=None, load=None):
+        model = _shard(tiny_llama_rm())
+        engine = trl_userdp.PrivacyEngine(accountant="rdp")
+        model, optimizer, loader = engine.make_private_user_level(
+            module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+            data_loader=DataLoader(preference_dataset(n_users=N_USERS, pairs_per_user=2),
+                                   collate_fn=DataCollatorForPreference(pad_token_id=0)),
+            noise_multiplier=1.0, max_grad_norm=0.5, max_samples_per_user=3, users_per_batch=3.0,  # 4 steps a pass
+            rows_per_example=2, sampling_seed=0, grad_sample_mode="ghost", noise_seed=5, steps=4)
+        if load:
+            engine.load_checkpoint(path=load, module=model, optimizer=optimizer)
+        batches = iter(loader)
+        for _ in range(steps):
+            _backward(engine, model, next(batches))
+            optimizer.step()
+            optimizer.zero_grad()
+        if save:
+            engine.save_checkpoint(path=save, module=model, optimizer=optimizer)
+        return _full(model), engine.get_epsilon(1e-5), engine.accountant.history
+
+    straight = run(4)
+    run(2, save=os.path.join(tmp, "checkpoint"))
+    resumed = run(2, load=os.path.join(tmp, "checkpoint"))
+    torch.save({"straight": straight, "resumed": resumed}, os.path.join(tmp, f"resume{rank}.pt"))
+
+
+def test_a_sharded_run_resumes_from_its_checkpoint_with_the_same_steps_and_epsilon(ranks):
+    """Issue 28: each process saves its shards of the model and of AdamW's state, the main process the privacy state
+    once; a fresh set-up on both processes loads them and continues: the same parameters as the run that never
+    stopped (the noise keyed by step and rank continues, not replayed) and the same ε and history."""
+    assert ranks["checkpoint_files"] == ["privacy.pt", "sharded"]
+    for result in ranks["resume"]:
+        (straight, eps, history), (resumed, eps_resumed, history_resumed) = result["straight"], result["resumed"]
+        torch.testing.assert_close(resumed, straight, rtol=1e-6, atol=1e-7)
+        assert history_resumed == history and sum(n for *_, n in history) == 4
+        assert eps_resumed == eps
+
+
+def _killed_worker(rank, world, tmp):
+    """Rank 1 dies at its third step (after its backward pass, before the step's collectives); rank 0 must fail."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        model = _shard(tiny_llama_rm())
+        engine = trl_userdp.PrivacyEngine(accountant="rdp")
+        model, optimizer, loader = engine.make_private_user_level(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(preference_dataset(n_users=N_USERS, pairs_per_user=2),
+                                   collate_fn=DataCollatorForPreference(pad_token_id=0)),
+            noise_multiplier=1.0, max_grad_norm=0.5, max_samples_per_user=3, users_per_batch=3.0, rows_per_example=2,
+            sampling_seed=0, grad_sample_mode="ghost")
+        for step, batch in enumerate(loader):
+            _backward(engine, model, batch)
+            if step == 2 and rank == 1:
+                os._exit(17)
+            optimizer.step()
+            optimizer.zero_grad()
+    except Exception as err:  # noqa: BLE001 - the test reads it
+        Path(tmp, f"error{rank}.txt").write_text(f"{type(err).__name__}: {err}")
+        raise
+
+
+def test_a_killed_process_fails_the_other_instead_of_hanging(tmp_path):
+    """Issue 28: one process of a sharded run dies mid-step; the other fails at its next collective, well within the
+    process group's timeout, and both exit with an error (nothing to resume but the last checkpoint)."""
+    import time
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_killed_worker, args=(rank, 2, str(tmp_path))) for rank in range(2)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    elapsed = time.monotonic() - start
+    alive = [p.is_alive() for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not any(alive), "a process hung"
+    assert procs[1].exitcode == 17 and procs[0].exitcode not in (0, None)
+    assert (tmp_path / "error0.txt").exists() and elapsed < 60, elapsed

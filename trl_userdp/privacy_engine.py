@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 #: Key of the private optimizer's own state in a checkpoint written by :meth:`PrivacyEngine.save_checkpoint`.
 OPTIMIZER_STATE_KEY = "trl_userdp_optimizer_state"
+#: in a sharded model's checkpoint folder: the privacy state and other entries, written once by the main process
+SHARDED_PRIVACY_FILE = "privacy.pt"
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -436,7 +438,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         of the mechanism; keep such checkpoints private).
 
         Args:
-            path: where to write.
+            path: where to write (for a model sharded by FSDP2, a folder: each process writes its shards, the main
+                process the privacy state; call it on every process).
             module: the model.
             optimizer: the optimizer whose state to save.
             checkpoint_dict: more entries to save.
@@ -445,7 +448,28 @@ class PrivacyEngine(opacus.PrivacyEngine):
         checkpoint_dict = dict(checkpoint_dict or {})
         if self.optimizer is not None:
             checkpoint_dict[OPTIMIZER_STATE_KEY] = self.optimizer.privacy_state_dict()
+        if distributed.is_sharded(module):
+            self._save_sharded_checkpoint(path, module, optimizer, checkpoint_dict, **kwargs)
+            return
         super().save_checkpoint(path=path, module=module, optimizer=optimizer, checkpoint_dict=checkpoint_dict, **kwargs)
+
+    def _save_sharded_checkpoint(self, path, module: nn.Module, optimizer: Optional[optim.Optimizer],
+                                 checkpoint_dict: Dict[str, Any], **kwargs) -> None:
+        """A model sharded by FSDP2: ``path`` is a folder; every process writes its shards of the model and the
+        optimizer state (``torch.distributed.checkpoint``, under ``sharded/``) and the main process alone writes the
+        privacy state and the other entries (``privacy.pt``), once."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if kwargs:
+            raise ValueError(f"{sorted(kwargs)}: not saved for a sharded model (its checkpoint is a folder of shards).")
+        inner = getattr(optimizer, "original_optimizer", optimizer)
+        model_state, optimizer_state = get_state_dict(module, [inner] if inner is not None else [])
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(path, "sharded"))
+        if distributed.rank() == 0:
+            checkpoint_dict["privacy_accountant_state_dict"] = self.accountant.state_dict()
+            torch.save(checkpoint_dict, os.path.join(path, SHARDED_PRIVACY_FILE))
+        torch.distributed.barrier()  # every process returns once the checkpoint is whole
 
     def load_checkpoint(
         self,
@@ -463,7 +487,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         checked against this run (:meth:`restore_privacy_state`) before anything is loaded.
 
         Args:
-            path: the checkpoint written by :meth:`save_checkpoint`.
+            path: the checkpoint written by :meth:`save_checkpoint` (a folder for a sharded model: call it on every
+                process).
             module: the model to load into.
             optimizer: the optimizer to load into.
             noise_scheduler: as Opacus's.
@@ -477,6 +502,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         Raises:
             ValueError: a privacy state that does not belong to this run.
         """
+        if distributed.is_sharded(module):
+            return self._load_sharded_checkpoint(path, module, optimizer, torch_load_kwargs)
         checkpoint = load_plain(path, **(torch_load_kwargs or {}))
         self.restore_privacy_state(checkpoint["privacy_accountant_state_dict"], checkpoint.get(OPTIMIZER_STATE_KEY, {}),
                                    source=str(path))
@@ -489,6 +516,24 @@ class PrivacyEngine(opacus.PrivacyEngine):
             scheduler_state = checkpoint.pop(key, {})
             if scheduler is not None and scheduler_state:
                 scheduler.load_state_dict(scheduler_state)
+        return checkpoint
+
+    def _load_sharded_checkpoint(self, path, module: nn.Module, optimizer: Optional[optim.Optimizer],
+                                 torch_load_kwargs: Optional[Dict[str, Any]]) -> Dict:
+        """Every process reads the privacy state the main process wrote (checked before anything is loaded), then its
+        own shards of the model and the optimizer state."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        checkpoint = load_plain(os.path.join(path, SHARDED_PRIVACY_FILE), **(torch_load_kwargs or {}))
+        self.restore_privacy_state(checkpoint.pop("privacy_accountant_state_dict"),
+                                   checkpoint.pop(OPTIMIZER_STATE_KEY, {}), source=str(path))
+        inner = getattr(optimizer, "original_optimizer", optimizer)
+        optimizers = [inner] if inner is not None else []
+        model_state, optimizer_state = get_state_dict(module, optimizers)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=os.path.join(path, "sharded"))
+        set_state_dict(module, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return checkpoint
 
     def restore_privacy_state(self, accountant_state: Dict[str, Any], optimizer_state: Dict[str, Any], *,
