@@ -148,3 +148,33 @@ def unsharded(module: nn.Module) -> Iterator[Dict[nn.Parameter, nn.Parameter]]:
     finally:
         for m in modules:
             m.reshard()
+
+
+def shard_model(module: nn.Module, device_type: str = "cpu") -> nn.Module:
+    """FSDP2 over every process, as accelerate's transformer-based policy applies it: ``fully_shard`` on each block
+    the model names in ``_no_split_modules`` (Hugging Face's decoder or encoder layers), then on the root. This is the
+    layout the user-level path runs (:func:`check_sharding`).
+
+    Args:
+        module: A Hugging Face model (not yet wrapped).
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+
+    Returns:
+        The model, sharded in place.
+
+    Raises:
+        ValueError: without a process group, or a model that names no block class.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError("Sharding needs a process group: launch with torchrun or accelerate launch.")
+    blocks = set(getattr(module, "_no_split_modules", None) or [])
+    layers = [m for m in module.modules() if type(m).__name__ in blocks]
+    if not layers:
+        raise ValueError(f"{type(module).__name__} names no block class (_no_split_modules) to shard by.")
+    mesh = init_device_mesh(device_type, (world_size(),))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(module, mesh=mesh)

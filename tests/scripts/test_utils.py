@@ -105,3 +105,26 @@ def test_log_level_info_shows_the_packages_privacy_lines_and_the_run_says_where_
     # dropping a large share of the rows is a warning (to the data owner's console only), not a silent loss
     assert "WARNING:Private, for the data owner only" in proc.stderr and "dropped 8 of 16 rows (50%)" in proc.stderr
     assert f"written to {tmp_path / 'out'}" in proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("options,reason", [({"use_peft": True}, "drop --use_peft"),
+                                            ({"grad_sample_mode": "hooks"}, "needs --grad_sample_mode ghost"),
+                                            ({}, "needs a process group")])
+def test_shard_model_refuses_what_cannot_run_sharded_before_training(options, reason):
+    """``--shard_model`` (FSDP2, full fine-tuning under torchrun: tests/trainers/test_distributed_trainers.py trains
+    it): LoRA's adapters would stay unsharded, materialised per-user gradients fit no process, and one process has
+    nothing to shard over; each is a one-line reason."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trl_userdp.scripts.utils import shard_for_training
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    model_args = SimpleNamespace(use_peft=options.get("use_peft", False))
+    training_args = SimpleNamespace(grad_sample_mode=options.get("grad_sample_mode", "ghost"),
+                                    device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=reason):
+        shard_for_training(model, model_args, training_args)

@@ -96,17 +96,22 @@ ONE_NOISY_STEP = dict(steps=1, noise_multiplier=SIGMA, target_epsilon=None, per_
 #: in most steps one process has no user and runs the placeholder pass
 SHARDED = dict(sharded=True, grad_sample_mode="ghost")
 SHARDED_EXACT = dict(steps=6, users_per_batch=1.0, **SHARDED, **EXACT)
+SHARDED_NOISY = dict(steps=4, target_epsilon=3.0, accountant="rdp", optim="adamw_torch", **SHARDED)
 
 
 @pytest.fixture(scope="module", params=REWARD_THEN_SLOW_DPO)
 def runs(request, tmp_path_factory):
     """The kind, and every two-process run of this file for it, on one pair of processes: the failing check last."""
     kind = request.param
+    root = tmp_path_factory.mktemp(f"dist_{kind}")
+    sharded_checkpoint = os.path.join(str(root), "sharded_ckpt", "checkpoint-2")
     jobs = [("dist", STEPS_EXACT, -1), ("dist_eps", NOISY, -1), ("noise", ONE_NOISY_STEP, -1),
             ("sharded", SHARDED_EXACT, -1), ("sharded_eps", dict(**NOISY, **SHARDED), -1),
             ("sharded_noise", dict(**ONE_NOISY_STEP, **SHARDED), -1),
+            ("sharded_ckpt", dict(**SHARDED_NOISY, save_strategy="steps", save_steps=2), -1),
+            ("sharded_resumed", dict(**SHARDED_NOISY, resume_from_checkpoint=sharded_checkpoint), -1),
             ("refuse", dict(steps=1, privacy_mechanism="user_dpsgd_adaptive"), -1), ("fail", dict(steps=2, **EXACT), 1)]
-    return kind, _two_processes(tmp_path_factory.mktemp(f"dist_{kind}"), kind, jobs)
+    return kind, _two_processes(root, kind, jobs)
 
 
 def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(runs, tmp_path):
@@ -169,6 +174,21 @@ def _saved(kind, out):
 
     auto = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
     return auto.from_pretrained(out).state_dict()
+
+
+def test_a_sharded_run_resumes_from_its_checkpoint_exactly(runs):
+    """Issue 28: a checkpoint of a sharded run holds the full model (gathered), each process's shards of AdamW's state
+    and the privacy state; resumed on two new processes it ends where the run that never stopped ended (the noise
+    continues by step and rank), with its ε."""
+    _, runs = runs
+    straight_out, straight = runs["sharded_ckpt"]
+    resumed_out, resumed = runs["sharded_resumed"]
+    assert all("error" not in r for r in straight + resumed), (straight, resumed)
+    assert "optimizer_sharded" in os.listdir(os.path.join(straight_out, "checkpoint-2"))
+    assert resumed[0]["history"] == straight[0]["history"] and sum(n for *_, n in straight[0]["history"]) == 4
+    assert PrivacyReport.load(resumed_out).epsilon == PrivacyReport.load(straight_out).epsilon
+    for name, value in straight[0]["params"].items():
+        torch.testing.assert_close(resumed[0]["params"][name], value, atol=1e-7, rtol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("job", ["noise", "sharded_noise"])
@@ -242,3 +262,31 @@ def test_torchrun_save_and_resume_exits_cleanly_every_time(tmp_path):
             if done.returncode != 0 or "terminate called" in done.stderr:
                 failures.append((i, extra[1], done.returncode, done.stderr[-2000:]))
     assert not failures, failures
+
+
+@pytest.mark.slow
+def test_torchrun_shards_the_packaged_reward_model_and_resumes_exactly(tmp_path):
+    """The README's sharded command: `torchrun --nproc_per_node 2 -m trl_userdp.scripts.reward --shard_model true`
+    (FSDP2, full fine-tuning of the packaged MiniLM) with checkpoints, then a resume from the first one on two new
+    processes: the same final model and ε as the run that never stopped."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    common = ["--use_cpu", "true", "--shard_model", "true", "--grad_sample_mode", "ghost", "--train_all_layers", "true",
+              "--n_users", "40", "--pairs_per_user", "4", "--per_device_train_batch_size", "8", "--max_steps", "4",
+              "--save_steps", "2", "--report_to", "none", "--privacy_seed", "0"]
+    outs = {}
+    for name, extra in (("straight", []), ("resumed", ["--resume_from_checkpoint",
+                                                       str(tmp_path / "straight" / "checkpoint-2")])):
+        outs[name] = tmp_path / name
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(_free_port()), "-m", "trl_userdp.scripts.reward",
+                               "--output_dir", str(outs[name]), *common, *extra],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    straight, resumed = (load_file(outs[n] / "model.safetensors") for n in ("straight", "resumed"))
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, atol=0, rtol=0, msg=name)
+    assert PrivacyReport.load(outs["resumed"]).epsilon == PrivacyReport.load(outs["straight"]).epsilon

@@ -16,7 +16,7 @@ from typing import Optional
 
 from trl import ModelConfig, get_peft_config
 
-from .utils import UserDataArguments, _done, _load_data, command_parser, run_script
+from .utils import SHARD_HELP, UserDataArguments, _done, _load_data, command_parser, run_script, shard_for_training
 
 #: the command's line in ``trl-userdp --help``
 HELP = "Train a policy with user-level private DPO (UserDPDPOTrainer)."
@@ -37,6 +37,7 @@ class PolicyModelConfig(ModelConfig):
     chat_template_path: Optional[str] = dataclasses.field(
         default=None, metadata={"help": "A Jinja chat template file (.jinja/.j2), or a tokenizer whose template to "
                                         "copy, for conversational data."})
+    shard_model: bool = dataclasses.field(default=False, metadata={"help": SHARD_HELP})
 
 
 def _saved_base(model, tokenizer, output_dir: str):
@@ -110,6 +111,8 @@ def main(script_args: UserDataArguments, training_args, model_args: PolicyModelC
     if tiny and peft_config is not None:
         model = _saved_base(model, tokenizer, training_args.output_dir)
     reference = None if peft_config is not None else copy.deepcopy(model)
+    if model_args.shard_model:  # the reference stays whole on each process (it is not trained)
+        model = shard_for_training(model, model_args, training_args)
     trainer = UserDPDPOTrainer(model=model, ref_model=reference, args=training_args, train_dataset=train,
                                eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config)
     if tiny:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from trl import ModelConfig, get_peft_config
 
-from .utils import UserDataArguments, _done, _load_data, command_parser, run_script
+from .utils import SHARD_HELP, UserDataArguments, _done, _load_data, command_parser, run_script, shard_for_training
 
 #: the command's line in ``trl-userdp --help``
 HELP = "Train a user-level private reward model (UserDPRewardTrainer)."
@@ -32,6 +32,7 @@ class RewardModelConfig(ModelConfig):
 
     train_all_layers: bool = dataclasses.field(
         default=False, metadata={"help": "Train the whole model, not only the last layer (the paper's choice)."})
+    shard_model: bool = dataclasses.field(default=False, metadata={"help": SHARD_HELP})
 
 
 def main(script_args: UserDataArguments, training_args, model_args: RewardModelConfig) -> int:
@@ -72,6 +73,8 @@ def main(script_args: UserDataArguments, training_args, model_args: RewardModelC
             p.requires_grad_(False)
         for p in head.parameters():
             p.requires_grad_(True)
+    if model_args.shard_model:
+        model = shard_for_training(model, model_args, training_args)
     trainer = UserDPRewardTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=eval_dataset,
                                   processing_class=tokenizer, peft_config=get_peft_config(model_args))
     if model_args.model_name_or_path == "minilm":

@@ -268,6 +268,36 @@ def _load_data(script_args: UserDataArguments, config, for_dpo: bool = False):
     return train, eval_dataset
 
 
+#: the scripts' ``--shard_model`` help
+SHARD_HELP = ("FSDP2: shard the model over the processes (fully_shard on each of its blocks and the root) before the "
+              "trainer, for full fine-tuning of a model one device cannot hold. Launch with torchrun or accelerate "
+              "launch; needs --grad_sample_mode ghost and no --use_peft.")
+
+
+def shard_for_training(model, model_args, training_args):
+    """``--shard_model``: the model sharded by :func:`~trl_userdp.distributed.shard_model` on the training device.
+
+    Args:
+        model: the model to train.
+        model_args: the model config (``use_peft`` is refused: LoRA's adapters would stay unsharded).
+        training_args: the trainer config (its device, and ``grad_sample_mode``).
+
+    Returns:
+        The sharded model.
+
+    Raises:
+        ValueError: with LoRA, without ghost clipping, or without a process group.
+    """
+    from .. import distributed
+
+    if model_args.use_peft:
+        raise ValueError("--shard_model shards the whole model for full fine-tuning; LoRA's adapters would stay "
+                         "unsharded: drop --use_peft (or --shard_model).")
+    if training_args.grad_sample_mode != "ghost":
+        raise ValueError("--shard_model needs --grad_sample_mode ghost: no process holds a user's whole gradient.")
+    return distributed.shard_model(model.to(training_args.device), training_args.device.type)
+
+
 def _done(trainer, report) -> int:
     """Print a training command's privacy report, and one line saying where everything went.
 

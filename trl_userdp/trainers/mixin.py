@@ -26,7 +26,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainerState
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.utils import SAFE_WEIGHTS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import distributed
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Key under which dict batches carry each row's user (popped before the model sees the batch).
 USER_KEY = "_trl_userdp_row_users"
+#: in a checkpoint of a sharded model: each process's shards of the optimizer state
+SHARDED_OPTIMIZER_DIR = "optimizer_sharded"
 PRIVACY_STATE_FILE = "privacy_state.pt"
 #: Training-log keys that are not statistics of private batches.
 PUBLIC_LOG_KEYS = {"epsilon", "delta", "learning_rate", "epoch", "privacy_steps", "aup_halted"}
@@ -137,12 +140,6 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             if refusals:
                 raise ValueError(refusals[0])
         bound.arguments["train_dataset"] = self._prepare_train_dataset(bound.arguments.get("train_dataset"), config)
-        model = bound.arguments.get("model")
-        if self._privacy.gradient and isinstance(model, torch.nn.Module) and distributed.is_sharded(model):
-            # Sharded by FSDP2 before the trainer (fully_shard, or from_pretrained(distributed_config=...), which sets
-            # this too): the engine reduces the clipped sums itself, so the Trainer must neither wrap the model in DDP
-            # nor have accelerate shard it again (transformers' flag for a model that owns its gradient reduction)
-            model._is_distributed_loading_by_transformers = True
         super().__init__(*bound.args, **bound.kwargs)
         self._init_privacy()
 
@@ -197,11 +194,18 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
             get_mechanism(self.args.privacy_mechanism).check_world_size(self.accelerator.num_processes)
             if getattr(self, "is_fsdp_enabled", False):
-                raise ValueError("FSDP shards each parameter across processes, so no process holds a user's whole "
-                                 "gradient to clip: use DDP (`accelerate launch --multi_gpu`), which the trainers support.")
+                raise ValueError("accelerate's FSDP plugin shards the model after the privacy engine is set up on it: "
+                                 "shard it before the trainer instead (trl_userdp.distributed.shard_model, or the "
+                                 "scripts' --shard_model) and launch without the plugin, or use DDP.")
             if getattr(self, "is_deepspeed_enabled", False):
                 raise ValueError("DeepSpeed reduces and partitions raw gradients inside its engine, before any per-user "
                                  "clipping: use DDP (`accelerate launch --multi_gpu`), which the trainers support.")
+            if distributed.is_sharded(self.model):
+                # Sharded by FSDP2 before the trainer: the engine reduces the clipped sums itself, so the Trainer must
+                # neither wrap the model in DDP nor have accelerate shard it again (transformers' flag for a model that
+                # owns its gradient reduction; set after its __init__, whose checkpoint refusal the overrides below
+                # answer: sharded optimizer state, the full model gathered and loaded into the shards)
+                self.is_distributed_loading_by_transformers = True
             self.add_callback(PrivacyBudgetCallback(self))
             # Each micro-batch's loss is the mean of its own rows and each row's gradient must be its own (the hooks
             # average per user), so the Trainer must not divide the loss by gradient_accumulation_steps.
@@ -444,6 +448,39 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
                 return
         super()._save(output_dir, state_dict=state_dict)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's, but a sharded model's optimizer state is saved by every process, its own shards
+        (``torch.distributed.checkpoint`` under ``optimizer_sharded/``); the scheduler by the main process."""
+        if not distributed.is_sharded(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.model, self._torch_optimizer())
+        dcp.save({"optimizer": state}, checkpoint_id=os.path.join(output_dir, SHARDED_OPTIMIZER_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        """The Trainer's, but a sharded model's optimizer state is read back into each process's shards."""
+        if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, SHARDED_OPTIMIZER_DIR)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        optimizer = self._torch_optimizer()
+        state = {"optimizer": get_optimizer_state_dict(self.model, optimizer)}
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, SHARDED_OPTIMIZER_DIR))
+        set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
+        self.lr_scheduler.load_state_dict(load_plain(os.path.join(checkpoint, SCHEDULER_NAME)))
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer inside accelerate's and the private optimizer's wrappers (its state is the model's)."""
+        optimizer = self.optimizer
+        while hasattr(optimizer, "optimizer") or hasattr(optimizer, "original_optimizer"):
+            optimizer = getattr(optimizer, "original_optimizer", None) or optimizer.optimizer
+        return optimizer
+
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         checkpoint = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
@@ -458,7 +495,15 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         self.accelerator.wait_for_everyone()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = self.model if model is None else model
+        if distributed.is_sharded(model):  # the full model the main process saved, read into each process's shards
+            from safetensors.torch import load_file
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            full = load_file(os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME))
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
         path = os.path.join(resume_from_checkpoint, PRIVACY_STATE_FILE)
         if self._dp_active:
             if not os.path.isfile(path):
