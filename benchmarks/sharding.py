@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.common import RESULTS_DIR, print_table, write_results
 from benchmarks.step_cost import Memory, _llama, lm_losses
+from trl_userdp.distributed import shard_model
 
 METHODS = ("ddp non-private", "ddp user ghost", "fsdp2 non-private", "fsdp2 user ghost")
 
@@ -77,16 +78,6 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, extra: List
                           + states + extra)
 
 
-def _shard(model: nn.Module, device: torch.device) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 def _inputs(ids: torch.Tensor) -> Dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
@@ -100,7 +91,7 @@ def _run(method: str, args, device: torch.device) -> Dict[str, float]:
     model = _llama(lora=False).to(device)
     layout, private = method.split(" ", 1)
     if layout == "fsdp2":
-        model = _shard(model, device)
+        model = shard_model(model, device.type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(0)
     n_users = args.users

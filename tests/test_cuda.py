@@ -70,6 +70,29 @@ def test_the_trainers_train_privately_in_bf16_on_the_device(device, tmp_path, sc
     assert rel_err(updates["ghost"], updates["hooks"]) < 2e-2
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_sharded_by_fsdp2_takes_the_unsharded_step_on_the_device(device, dtype, tmp_path):
+    """FSDP2 over one process on the device (NCCL on a GPU): the sharded path (the layers gathered by FSDP2, the
+    clipped sums redistributed to the shards as DTensors on the device, the noise on the shard) takes the unsharded
+    ghost step, every user clipped (tests/test_sharded.py runs two processes on the CPU)."""
+    import torch.distributed as dist
+
+    from .test_sharded import _train
+
+    setting = dict(noise_multiplier=0.0, max_grad_norm=0.05, zero_loss=False, norm_route="auto", device=device,
+                   dtype=dtype)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp_path}/rendezvous",
+                            rank=0, world_size=1)
+    try:
+        sharded = _train(**setting, sharded=True)[1]
+    finally:
+        dist.destroy_process_group()
+    single = _train(**setting, sharded=False)[1]
+    assert single.abs().sum() > 0
+    assert rel_err(sharded.float(), single.float()) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs instead of refusing")
 @pytest.mark.skipif(not os.path.isdir(os.path.join(os.path.dirname(__file__), "..", ".venv")),
                     reason="scripts/gpu-check would build the project's virtualenv first")

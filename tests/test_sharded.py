@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from trl.trainer.reward_trainer import DataCollatorForPreference
 
 import trl_userdp
+from trl_userdp.distributed import shard_model
 
 from .tiny_models import btl_pair_losses, preference_dataset, tiny_llama_rm
 
@@ -29,16 +30,6 @@ N_USERS, UPB = 12, 6.0
 CASES = {"exact": (0.0, 1e6, False, "auto"), "clip": (0.0, 0.05, False, "auto"), "gram": (0.0, 0.05, False, "gram"),
          "noise": (2.0, 0.5, True, "auto"), "sparse": (0.0, 0.05, False, "auto", 1.0),
          "micro": (0.0, 0.05, False, "gram", UPB, 3)}
-
-
-def _shard(model: torch.nn.Module) -> torch.nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
 
 
 def _full(model: torch.nn.Module) -> torch.Tensor:
@@ -54,19 +45,21 @@ PLACEHOLDER = DataCollatorForPreference(pad_token_id=0)([{"chosen_ids": [1], "re
 def _backward(engine, model, batch, scale=1.0):
     """The batch's mean pair loss (times ``scale``) backpropagated, or, with no row on this process, the placeholder's
     inside the hooks' placeholder pass."""
+    device = next(model.parameters()).device
     if len(batch["input_ids"]):
-        (scale * btl_pair_losses(model, batch).mean()).backward()
+        (scale * btl_pair_losses(model, {k: v.to(device) for k, v in batch.items()}).mean()).backward()
         return
     with engine.hooks.placeholder_pass():
-        btl_pair_losses(model, PLACEHOLDER).mean().backward()
+        btl_pair_losses(model, {k: v.to(device) for k, v in PLACEHOLDER.items()}).mean().backward()
 
 
-def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micro_batches=1, *, sharded):
+def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micro_batches=1, *, sharded,
+           device=torch.device("cpu"), dtype=torch.float32):
     """One pass of private steps (SGD at learning rate 1, so each update is the private gradient); returns the
     engine, the update of every step (full vectors) and the index ranges of the elements each rank owns."""
-    model = tiny_llama_rm()  # seeded: the same initial parameters on every rank
+    model = tiny_llama_rm().to(device=device, dtype=dtype)  # seeded: the same initial parameters on every rank
     if sharded:
-        model = _shard(model)
+        model = shard_model(model, device.type)
     dataset = preference_dataset(n_users=N_USERS, pairs_per_user=(1, 3, 2, 3, 1, 2) * 2)
     engine = trl_userdp.PrivacyEngine(accountant="rdp")
     model, optimizer, loader = engine.make_private_user_level(
@@ -165,7 +158,7 @@ def test_every_element_gets_one_noise_draw_and_the_epsilon_is_the_single_process
 def _resume(rank, tmp):
     """Four noisy steps straight, and two steps, a checkpoint, a fresh set-up that loads it, and two more."""
     def run(steps, save=None, load=None):
-        model = _shard(tiny_llama_rm())
+        model = shard_model(tiny_llama_rm())
         engine = trl_userdp.PrivacyEngine(accountant="rdp")
         model, optimizer, loader = engine.make_private_user_level(
             module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -207,7 +200,7 @@ def _killed_worker(rank, world, tmp):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        model = _shard(tiny_llama_rm())
+        model = shard_model(tiny_llama_rm())
         engine = trl_userdp.PrivacyEngine(accountant="rdp")
         model, optimizer, loader = engine.make_private_user_level(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),

@@ -6,6 +6,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification, TrainerCallback
 
+from trl_userdp.distributed import shard_model
 from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
 
 from ..tiny_models import text_preference_dataset, tiny_llama_lm, tiny_tokenizer
@@ -22,23 +23,12 @@ def tiny_reward_model(tokenizer):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
 
 
-def shard(model):
-    """FSDP2 on the decoder layers and the root, over all processes (as a training script would before the trainer)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 def reward_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, peft_config=None, callbacks=None,
                   resume_from_checkpoint=None, sharded=False, **config):
     tokenizer = tiny_tokenizer()
     model = tiny_reward_model(tokenizer)
     if sharded:
-        model = shard(model)
+        model = shard_model(model)
     args = config_cls(output_dir=output_dir, max_steps=steps, **{**COMMON, **config})
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset or text_preference_dataset(n_users=8, pairs_per_user=3),
                           processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
@@ -53,7 +43,7 @@ def dpo_script(trainer_cls, config_cls, output_dir, *, steps=4, dataset=None, pe
     policy = tiny_llama_lm(len(tokenizer), tie=tie)
     reference = None if peft_config is not None else copy.deepcopy(policy)
     if sharded:
-        policy = shard(policy)
+        policy = shard_model(policy)
     args = config_cls(output_dir=output_dir, max_steps=steps, **{**COMMON, **config})
     trainer = trainer_cls(model=policy, ref_model=reference, args=args,
                           train_dataset=dataset or text_preference_dataset(n_users=8, pairs_per_user=3),
