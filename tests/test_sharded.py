@@ -82,7 +82,7 @@ def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micr
         start = 0
         for p in model.parameters():
             local = p.to_local()
-            rows = torch.tensor([local.shape[0]])
+            rows = torch.tensor([local.shape[0]], device=local.device)
             all_rows = [torch.zeros_like(rows) for _ in range(dist.get_world_size())]
             dist.all_gather(all_rows, rows)
             offset = int(sum(r.item() for r in all_rows[: dist.get_rank()]))
