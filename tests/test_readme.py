@@ -87,6 +87,8 @@ PYTHON = {"UserDPRewardTrainer(": _trl, "AdaptiveUserPrivacyEngine()": _aup, "Us
 #: command blocks that this file does not run, and why
 NOT_RUN = {"./scripts/main": "the set-up commands: .ci/run runs ./scripts/test, the main job is its own run",
            "accelerate launch --multi_gpu": "its first line needs GPUs; its second (two CPU processes) runs under -m slow",
+           "--shard_model true": "the CPU line runs under -m slow (tests/trainers/test_distributed_trainers.py, the "
+                                 "embedded data); the GPU line needs GPUs",
            "pip install torch": "installs into the reader's environment: scripts/_venv.sh runs the same pip install",
            "python -m benchmarks.": "opt-in runs of minutes: tests/benchmarks/ runs each script in a tiny setting"}
 

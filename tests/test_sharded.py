@@ -26,10 +26,11 @@ N_USERS, UPB = 12, 6.0
 #: and sums from its per-user gradients (the route the tiny model's layers take) or from its Gram matrices and the
 #: book-kept sum (taken after the backward pass, when FSDP2 has resharded the layer); noise alone (the loss times 0);
 #: ñ = 1 (optional fifth entry), where a rank often has no user in a step but must still run the layers' collectives;
-#: each draw as 3 micro-batches of whole users (optional sixth), each clipped and reduce-scattered in turn
+#: each draw as 3 micro-batches of whole users (optional sixth), each clipped and reduce-scattered in turn; the group
+#: privacy baseline (optional seventh: records clipped and sampled instead of users)
 CASES = {"exact": (0.0, 1e6, False, "auto"), "clip": (0.0, 0.05, False, "auto"), "gram": (0.0, 0.05, False, "gram"),
          "noise": (2.0, 0.5, True, "auto"), "sparse": (0.0, 0.05, False, "auto", 1.0),
-         "micro": (0.0, 0.05, False, "gram", UPB, 3)}
+         "micro": (0.0, 0.05, False, "gram", UPB, 3), "group": (0.0, 0.05, False, "auto", UPB, 1, "group")}
 
 
 def _full(model: torch.nn.Module) -> torch.Tensor:
@@ -53,8 +54,8 @@ def _backward(engine, model, batch, scale=1.0):
         btl_pair_losses(model, {k: v.to(device) for k, v in PLACEHOLDER.items()}).mean().backward()
 
 
-def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micro_batches=1, *, sharded,
-           device=torch.device("cpu"), dtype=torch.float32):
+def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micro_batches=1, mechanism="user_dpsgd", *,
+           sharded, device=torch.device("cpu"), dtype=torch.float32):
     """One pass of private steps (SGD at learning rate 1, so each update is the private gradient); returns the
     engine, the update of every step (full vectors) and the index ranges of the elements each rank owns."""
     model = tiny_llama_rm().to(device=device, dtype=dtype)  # seeded: the same initial parameters on every rank
@@ -66,7 +67,8 @@ def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micr
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         data_loader=DataLoader(dataset, collate_fn=DataCollatorForPreference(pad_token_id=0)),
         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, max_samples_per_user=3, users_per_batch=upb,
-        rows_per_example=2, sampling_seed=0, grad_sample_mode="ghost", noise_seed=5, micro_batches=micro_batches)
+        rows_per_example=2, sampling_seed=0, grad_sample_mode="ghost", noise_seed=5, micro_batches=micro_batches,
+        mechanism=mechanism)
     engine.hooks.norm_route = norm_route
     updates, rows = [], []
     for i, batch in enumerate(loader):
@@ -116,11 +118,12 @@ def ranks():
         yield results
 
 
-@pytest.mark.parametrize("case", ["exact", "clip", "gram", "sparse", "micro"])
+@pytest.mark.parametrize("case", ["exact", "clip", "gram", "sparse", "micro", "group"])
 def test_the_sharded_steps_are_the_single_process_steps(ranks, case):
     """σ = 0: the sharded update (each rank clips its users with the layers gathered, the clipped sums
     reduce-scattered to the shards) equals the single-process ghost update, with no user clipped and with every
-    user clipped, on either norm route, with steps where one rank has no user, and in micro-batches."""
+    user clipped, on either norm route, with steps where one rank has no user, in micro-batches, and for the group
+    privacy baseline."""
     _, single, _, _ = _train(*CASES[case], sharded=False)
     assert (single.abs().sum(1) > 0).sum() >= 2  # real, non-empty steps
     for r in ranks[case]:
