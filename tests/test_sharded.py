@@ -222,6 +222,7 @@ def _killed_worker(rank, world, tmp):
         raise
 
 
+@pytest.mark.slow  # a pair of processes of its own (about 10 s)
 def test_a_killed_process_fails_the_other_instead_of_hanging(tmp_path):
     """Issue 28: one process of a sharded run dies mid-step; the other fails at its next collective, well within the
     process group's timeout, and both exit with an error (nothing to resume but the last checkpoint)."""

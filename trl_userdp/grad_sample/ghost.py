@@ -432,9 +432,12 @@ class UserGhostHooks(UserGradSampleHooks):
         from torch.distributed.tensor import DTensor, Partial
 
         computed: Dict[nn.Parameter, torch.Tensor] = {}
+        done = set()
         for p in self.param_names:  # the same order on every rank
-            if p not in computed and p in groups:
-                computed = groups[p]()  # this layer's parameters (the previous layer's sums are freed)
+            group = groups.get(p)
+            if group is not None and group not in done:
+                computed.update(group())  # this layer's sums, each freed once scattered
+                done.add(group)
             full = computed.pop(p, None)
             full = torch.zeros(p.shape, dtype=p.dtype, device=p.device) if full is None else full.to(p.dtype)
             shard = self.shards[p]

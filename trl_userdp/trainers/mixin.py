@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import json
 import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
@@ -27,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainerState
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.utils import SAFE_WEIGHTS_NAME
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import distributed
@@ -108,6 +109,30 @@ def _rank_local_gathers(accelerator):
                 del accelerator.__dict__[name]
             else:
                 accelerator.__dict__[name] = value
+
+
+def _load_full_into_shards(model: torch.nn.Module, folder: str) -> None:
+    """The full model the main process saved in ``folder`` (safetensors, one file or several with their index), read
+    into each process's shards of ``model``. Keys the save left out must be tied weights, filled by their twin.
+
+    Raises:
+        ValueError: a checkpoint whose keys are not the model's.
+    """
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    index = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
+    files = (sorted(set(json.load(open(index))["weight_map"].values())) if os.path.isfile(index)
+             else [SAFE_WEIGHTS_NAME])
+    full: Dict[str, torch.Tensor] = {}
+    for name in files:
+        full.update(load_file(os.path.join(folder, name)))
+    keys = set(model.state_dict())
+    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    if set(full) - keys or keys - set(full) - tied:
+        raise ValueError(f"{folder}: its weights do not match this model's (missing "
+                         f"{sorted(keys - set(full) - tied)[:3]}, unexpected {sorted(set(full) - keys)[:3]}).")
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 class UserDPTrainerMixin(PrivacyModelCardMixin):
@@ -496,12 +521,8 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         model = self.model if model is None else model
-        if distributed.is_sharded(model):  # the full model the main process saved, read into each process's shards
-            from safetensors.torch import load_file
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            full = load_file(os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME))
-            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        if distributed.is_sharded(model):
+            _load_full_into_shards(model, resume_from_checkpoint)
         else:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
         path = os.path.join(resume_from_checkpoint, PRIVACY_STATE_FILE)
