@@ -19,18 +19,37 @@ from trl.trainer.reward_trainer import DataCollatorForPreference
 import trl_userdp
 from trl_userdp.distributed import shard_model
 
-from .tiny_models import btl_pair_losses, preference_dataset, tiny_llama_rm
+from .tiny_models import VOCAB, btl_pair_losses, preference_dataset, tiny_gpt2_rm, tiny_llama_rm
 
 N_USERS, UPB = 12, 6.0
-#: (σ, C, zero loss, norm route): σ = 0 and no user clipped; σ = 0 and every user clipped, with each layer's norms
-#: and sums from its per-user gradients (the route the tiny model's layers take) or from its Gram matrices and the
-#: book-kept sum (taken after the backward pass, when FSDP2 has resharded the layer); noise alone (the loss times 0);
-#: ñ = 1 (optional fifth entry), where a rank often has no user in a step but must still run the layers' collectives;
-#: each draw as 3 micro-batches of whole users (optional sixth), each clipped and reduce-scattered in turn; the group
-#: privacy baseline (optional seventh: records clipped and sampled instead of users)
-CASES = {"exact": (0.0, 1e6, False, "auto"), "clip": (0.0, 0.05, False, "auto"), "gram": (0.0, 0.05, False, "gram"),
-         "noise": (2.0, 0.5, True, "auto"), "sparse": (0.0, 0.05, False, "auto", 1.0),
-         "micro": (0.0, 0.05, False, "gram", UPB, 3), "group": (0.0, 0.05, False, "auto", UPB, 1, "group")}
+#: the settings of each two-process run (``_train``'s arguments beside its defaults: σ = 0 and every user clipped)
+CASES = {
+    "exact": dict(max_grad_norm=1e6),  # no user clipped
+    "clip": dict(),
+    # each layer's norms and sums from its Gram matrices and the book-kept sum, taken after the backward pass, when
+    # FSDP2 has resharded the layer (the tiny model's layers take per-user gradients otherwise)
+    "gram": dict(norm_route="gram"),
+    "noise": dict(noise_multiplier=2.0, max_grad_norm=0.5, zero_loss=True),  # the loss times 0: noise alone
+    "sparse": dict(upb=1.0),  # a rank often has no user but must still run the layers' collectives
+    "micro": dict(norm_route="gram", micro_batches=3),  # each micro-batch clipped and reduce-scattered in turn
+    "group": dict(mechanism="group"),  # the group privacy baseline: records clipped and sampled instead of users
+    "gpt2": dict(family="gpt2"),  # Conv1D layers and learned position embeddings
+    "bert": dict(family="bert"),  # an encoder (the MiniLM reward model's architecture), LayerNorm, token types
+}
+
+
+def tiny_bert_rm() -> torch.nn.Module:
+    """A two-layer BERT with a one-output head: the packaged MiniLM reward model's architecture, tiny."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=64, num_labels=1, pad_token_id=0, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))  # no dropout: the two runs draw it differently
+
+
+MODELS = {"llama": tiny_llama_rm, "gpt2": tiny_gpt2_rm, "bert": tiny_bert_rm}
 
 
 def _full(model: torch.nn.Module) -> torch.Tensor:
@@ -54,11 +73,11 @@ def _backward(engine, model, batch, scale=1.0):
         btl_pair_losses(model, {k: v.to(device) for k, v in PLACEHOLDER.items()}).mean().backward()
 
 
-def _train(noise_multiplier, max_grad_norm, zero_loss, norm_route, upb=UPB, micro_batches=1, mechanism="user_dpsgd", *,
-           sharded, device=torch.device("cpu"), dtype=torch.float32):
+def _train(noise_multiplier=0.0, max_grad_norm=0.05, zero_loss=False, norm_route="auto", upb=UPB, micro_batches=1,
+           mechanism="user_dpsgd", family="llama", *, sharded, device=torch.device("cpu"), dtype=torch.float32):
     """One pass of private steps (SGD at learning rate 1, so each update is the private gradient); returns the
     engine, the update of every step (full vectors) and the index ranges of the elements each rank owns."""
-    model = tiny_llama_rm().to(device=device, dtype=dtype)  # seeded: the same initial parameters on every rank
+    model = MODELS[family]().to(device=device, dtype=dtype)  # seeded: the same initial parameters on every rank
     if sharded:
         model = shard_model(model, device.type)
     dataset = preference_dataset(n_users=N_USERS, pairs_per_user=(1, 3, 2, 3, 1, 2) * 2)
@@ -99,7 +118,7 @@ def _worker(rank, world, tmp):
                             timeout=datetime.timedelta(seconds=60))
     try:
         for case, setting in CASES.items():
-            engine, updates, owned, rows = _train(*setting, sharded=True)
+            engine, updates, owned, rows = _train(**setting, sharded=True)
             torch.save({"updates": updates, "owned": owned, "rows": rows, "epsilon": engine.get_epsilon(1e-5),
                         "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
         _resume(rank, tmp)
@@ -118,13 +137,13 @@ def ranks():
         yield results
 
 
-@pytest.mark.parametrize("case", ["exact", "clip", "gram", "sparse", "micro", "group"])
+@pytest.mark.parametrize("case", ["exact", "clip", "gram", "sparse", "micro", "group", "gpt2", "bert"])
 def test_the_sharded_steps_are_the_single_process_steps(ranks, case):
     """σ = 0: the sharded update (each rank clips its users with the layers gathered, the clipped sums
     reduce-scattered to the shards) equals the single-process ghost update, with no user clipped and with every
-    user clipped, on either norm route, with steps where one rank has no user, in micro-batches, and for the group
-    privacy baseline."""
-    _, single, _, _ = _train(*CASES[case], sharded=False)
+    user clipped, on either norm route, with steps where one rank has no user, in micro-batches, for the group
+    privacy baseline, and for GPT-2 and a BERT encoder."""
+    _, single, _, _ = _train(**CASES[case], sharded=False)
     assert (single.abs().sum(1) > 0).sum() >= 2  # real, non-empty steps
     for r in ranks[case]:
         rel = torch.linalg.vector_norm(r["updates"] - single) / torch.linalg.vector_norm(single)
@@ -138,7 +157,7 @@ def test_every_element_gets_one_noise_draw_and_the_epsilon_is_the_single_process
     """σ > 0, loss × 0: the update is the noise alone, std σC/ñ on every element of the full parameter: on the
     elements each rank owns and over all of them (an element noised by both ranks would have twice the variance, one
     noised by none zero). Both ranks see the same update and account the single-process ε."""
-    sigma, clip, _, route = CASES["noise"]
+    sigma, clip = CASES["noise"]["noise_multiplier"], CASES["noise"]["max_grad_norm"]
     r0, r1 = ranks["noise"]
     torch.testing.assert_close(r0["updates"], r1["updates"], rtol=0, atol=0)
     noise = r0["updates"].double()
@@ -152,7 +171,7 @@ def test_every_element_gets_one_noise_draw_and_the_epsilon_is_the_single_process
         lo, hi = stats.chi2.interval(0.999, n)
         stat = float((x ** 2).sum()) / expected_var  # mean zero: Σx²/σ² ~ χ²(n)
         assert lo <= stat <= hi, (name, stat / n)
-    single, _, _, _ = _train(sigma, clip, True, route, sharded=False)
+    single, _, _, _ = _train(**CASES["noise"], sharded=False)
     for r in ranks["noise"]:
         assert r["steps"] == single.accountant.steps_taken
         assert r["epsilon"] == pytest.approx(single.get_epsilon(1e-5), rel=1e-12)

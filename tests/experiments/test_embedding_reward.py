@@ -87,6 +87,7 @@ def test_the_reward_trainer_tokenizes_as_the_encoder_trains_only_the_head_and_sp
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in head.items())
 
 
+@pytest.mark.slow  # three interpreter starts with the packaged MiniLM (about 20 s)
 def test_embeddings_do_not_depend_on_the_processs_hash_seed():
     """Which texts share an encoder batch changes their float rounding, and online RL amplifies any change (a reward
     model's policy moved by 0.2 in gold reward): the batches must not follow a set's order, which changes with
