@@ -23,16 +23,19 @@ U = 16 … 512: seconds per logical step and peak extra memory, for ghost clippi
     python -m benchmarks.step_cost                      # all workloads, m ∈ {1, 4, 16}; about 15 min on 2 CPU cores
     python -m benchmarks.step_cost --workloads llama_lora --ms 4 --steps 2 --users 16
     python -m benchmarks.step_cost --device cuda --rows 64 --users 16 64 256 1024    # on a GPU
+    python -m benchmarks.step_cost --fsdp2 --workloads llama_full --ms 4 --users    # with the FSDP2 rows
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -218,6 +221,21 @@ class UserLevel:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+class Sharded:
+    """A method on the model sharded by FSDP2 over this one process (``trl_userdp.distributed.shard_model``): what the
+    sharded path adds to a step (gathering each block, DTensor gradients; for the private method, the per-layer
+    redistribution of the clipped sums), without the memory it saves, which ``benchmarks.sharding`` measures across
+    processes."""
+
+    def __init__(self, method: type, model: nn.Module, losses: Callable, rows: int, **options):
+        from trl_userdp.distributed import shard_model
+
+        self.method = method(shard_model(model, next(model.parameters()).device.type), losses, rows, **options)
+
+    def step(self, batch) -> None:
+        self.method.step(batch)
+
+
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -242,7 +260,7 @@ def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc:
 
 
 def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, device: torch.device,
-                 memory: Memory) -> Dict:
+                 memory: Memory, fsdp2: bool = False) -> Dict:
     factory, losses, vocab = workload(name)
     base = factory().to(device)
     base.train()
@@ -253,13 +271,19 @@ def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, 
     for m in ms:
         for mode in ("hooks", "ghost"):
             kinds[f"user {mode} m={m}"] = lambda mod, m=m, mode=mode: UserLevel(mod, losses, rows, m=m, mode=mode)
+    if fsdp2 and name.endswith("_full"):  # LoRA's adapters are not sharded
+        kinds["fsdp2 non-private"] = lambda mod: Sharded(NonPrivate, mod, losses, rows)
+        for m in ms:
+            kinds[f"fsdp2 user ghost m={m}"] = lambda mod, m=m: Sharded(UserLevel, mod, losses, rows, m=m, mode="ghost")
     methods = {}
     for kind, build in kinds.items():
         methods[kind] = build(copy.deepcopy(base))
     cells = measure(methods, batch, steps, memory, name)
     ref = cells["non-private"]
-    for cell in cells.values():
+    for kind, cell in cells.items():
         cell["time_ratio"] = cell["median_s"] / ref["median_s"]
+        if kind.startswith("fsdp2 user"):  # against the control of its own layout
+            cell["time_ratio_to_fsdp2_non_private"] = cell["median_s"] / cells["fsdp2 non-private"]["median_s"]
         # a step too small to move the resident set has no memory ratio
         cell["memory_ratio"] = (cell["peak_extra_bytes"] / ref["peak_extra_bytes"] if ref["peak_extra_bytes"] > 0
                                 else float("nan"))
@@ -297,6 +321,23 @@ def run_scaling(user_counts: Sequence[int], m: int, rows: int, seq: int, device:
     return {"parameters": n_params, "m": m, "rows_per_micro_batch": rows, "cells": out}
 
 
+@contextlib.contextmanager
+def _one_process_group(device: torch.device, wanted: bool):
+    """A process group of this one process (FSDP2 needs one), unless one exists or none is wanted."""
+    import torch.distributed as dist
+
+    if not wanted or dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/rendezvous",
+                                rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -309,13 +350,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser.add_argument("--scaling-m", type=int, default=1)
     parser.add_argument("--materialised-limit-gb", type=float, default=4.0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--fsdp2", action="store_true",
+                        help="add the full workloads sharded by FSDP2 over this one process (non-private and user ghost)")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--name", default="step_cost")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     memory = Memory(device)
-    results = {name: run_workload(name, args.ms, args.rows, args.seq, args.steps, device, memory)
-               for name in tqdm(args.workloads, desc="workloads")}
+    with _one_process_group(device, args.fsdp2):
+        results = {name: run_workload(name, args.ms, args.rows, args.seq, args.steps, device, memory, args.fsdp2)
+                   for name in tqdm(args.workloads, desc="workloads")}
     header = ["workload", "method", "median s", "min s", "time ×", "peak extra MB", "memory ×"]
     rows = [[w, k, f"{c['median_s']:.3f}", f"{c['min_s']:.3f}", f"{c['time_ratio']:.2f}",
              f"{c['peak_extra_bytes'] / 2**20:.0f}", f"{c['memory_ratio']:.2f}"]
