@@ -96,3 +96,14 @@ def test_the_sharding_benchmark_halves_the_state_per_rank(tmp_path):
     ratio = out["fsdp2 user ghost"]["state_bytes"] / out["ddp user ghost"]["state_bytes"]
     assert 0.4 < ratio < 0.6, ratio  # parameters, gradients and AdamW's state sharded over two ranks
     assert os.path.exists(tmp_path / "sharding.json")
+
+
+@pytest.mark.slow  # the 19.5 M-parameter Llama in seven copies
+def test_step_cost_adds_the_fsdp2_rows_for_full_fine_tuning_only(tmp_path):
+    from benchmarks import step_cost
+
+    out = step_cost.main(["--workloads", "llama_lora", "llama_full", "--ms", "2", "--rows", "4", "--seq", "8",
+                          "--steps", "1", "--users", "--fsdp2", "--out", str(tmp_path)])
+    full, lora = out["results"]["llama_full"]["cells"], out["results"]["llama_lora"]["cells"]
+    assert {"fsdp2 non-private", "fsdp2 user ghost m=2"} <= set(full) and not any("fsdp2" in k for k in lora)
+    assert full["fsdp2 user ghost m=2"]["time_ratio_to_fsdp2_non_private"] > 0
