@@ -74,6 +74,7 @@ def test_pipeline_seeds_varies_one_seed_at_a_time(tmp_path):
     assert os.path.exists(tmp_path / "pipeline_seeds.json")
 
 
+@pytest.mark.slow  # the audit itself is tested in tests/audit; this is the benchmark's table (about 11 s)
 def test_the_audit_benchmark_writes_its_table(tmp_path):
     from benchmarks import audit
 

@@ -96,6 +96,7 @@ def test_a_missing_reporting_package_is_one_line_and_tensorboard_from_the_extra_
     assert PrivacyReport.load(str(tmp_path / "tb")).epsilon == pytest.approx(epsilon[-1])
 
 
+@pytest.mark.slow  # a DPO run in a subprocess (about 20 s); the one-line errors and the final line run by default
 def test_log_level_info_shows_the_packages_privacy_lines_and_the_run_says_where_it_wrote(tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs(range(8)))
     proc = run_cli("dpo", "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), "--max_steps", "1",
