@@ -92,6 +92,32 @@ def test_a_model_sharded_by_fsdp2_takes_the_unsharded_step_on_the_device(device,
     assert rel_err(sharded.float(), single.float()) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.cuda
+def test_accelerates_fsdp2_plugin_trains_the_reward_model_as_without_it(device, tmp_path):
+    """The reward trainer under accelerate's FSDP plugin (FSDP2, its transformer-layer policy; accelerate applies it on
+    accelerators only), one process under torchrun: the trainer shards the model itself before the privacy engine is
+    set up, and σ = 0 gives the parameters of the run without the plugin."""
+    import subprocess
+    import sys
+
+    if device.type != "cuda":
+        pytest.skip("accelerate's FSDP plugin applies on accelerators only (a CPU run ignores it)")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    script = os.path.join(root, "tests", "fsdp_plugin_run.py")
+    runs = {"plugin": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", script],
+            "plain": [sys.executable, script]}
+    results = {}
+    for mode, command in runs.items():
+        out = str(tmp_path / mode)
+        done = subprocess.run([*command, out, mode], capture_output=True, text=True, timeout=600, env=env, cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[mode] = torch.load(os.path.join(out, "result.pt"))
+    assert results["plugin"]["fsdp"] and results["plugin"]["wrapped"].startswith("FSDP")
+    for name, value in results["plain"]["params"].items():
+        assert rel_err(results["plugin"]["params"][name], value) < 1e-5, name
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs instead of refusing")
 @pytest.mark.skipif(not os.path.isdir(os.path.join(os.path.dirname(__file__), "..", ".venv")),
                     reason="scripts/gpu-check would build the project's virtualenv first")

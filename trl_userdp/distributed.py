@@ -150,14 +150,18 @@ def unsharded(module: nn.Module) -> Iterator[Dict[nn.Parameter, nn.Parameter]]:
             m.reshard()
 
 
-def shard_model(module: nn.Module, device_type: str = "cpu") -> nn.Module:
-    """FSDP2 over every process, as accelerate's transformer-based policy applies it: ``fully_shard`` on each block
-    the model names in ``_no_split_modules`` (Hugging Face's decoder or encoder layers), then on the root. This is the
-    layout the user-level path runs (:func:`check_sharding`).
+def shard_model(module: nn.Module, device_type: str = "cpu", blocks: Optional[List[str]] = None,
+                **fully_shard_options) -> nn.Module:
+    """FSDP2 over every process, as accelerate's transformer-based policy applies it to the blocks: ``fully_shard`` on
+    each block (the classes the model names in ``_no_split_modules``: Hugging Face's decoder or encoder layers), then
+    on the root. This is the layout the user-level path runs (:func:`check_sharding`).
 
     Args:
         module: A Hugging Face model (not yet wrapped).
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+        blocks: The block class names, instead of the model's ``_no_split_modules``.
+        **fully_shard_options: For every ``fully_shard`` call (``mp_policy``, ``offload_policy``,
+            ``reshard_after_forward``).
 
     Returns:
         The model, sharded in place.
@@ -170,11 +174,11 @@ def shard_model(module: nn.Module, device_type: str = "cpu") -> nn.Module:
 
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ValueError("Sharding needs a process group: launch with torchrun or accelerate launch.")
-    blocks = set(getattr(module, "_no_split_modules", None) or [])
-    layers = [m for m in module.modules() if type(m).__name__ in blocks]
+    names = set(blocks or getattr(module, "_no_split_modules", None) or [])
+    layers = [m for m in module.modules() if type(m).__name__ in names]
     if not layers:
-        raise ValueError(f"{type(module).__name__} names no block class (_no_split_modules) to shard by.")
+        raise ValueError(f"{type(module).__name__} has no block of the classes {sorted(names)} to shard by.")
     mesh = init_device_mesh(device_type, (world_size(),))
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(module, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **fully_shard_options)
+    return fully_shard(module, mesh=mesh, **fully_shard_options)

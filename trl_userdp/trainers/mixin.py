@@ -219,9 +219,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
             get_mechanism(self.args.privacy_mechanism).check_world_size(self.accelerator.num_processes)
             if getattr(self, "is_fsdp_enabled", False):
-                raise ValueError("accelerate's FSDP plugin shards the model after the privacy engine is set up on it: "
-                                 "shard it before the trainer instead (trl_userdp.distributed.shard_model, or the "
-                                 "scripts' --shard_model) and launch without the plugin, or use DDP.")
+                self._shard_with_the_fsdp_plugin()
             if getattr(self, "is_deepspeed_enabled", False):
                 raise ValueError("DeepSpeed reduces and partitions raw gradients inside its engine, before any per-user "
                                  "clipping: use DDP (`accelerate launch --multi_gpu`), which the trainers support.")
@@ -237,6 +235,35 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             self.loss_is_scaled_for_ga = True
         #: position of the next training micro-batch within its draw of users, and whether the current one continues a draw
         self._draw_part, self._continuation = 0, False
+
+    def _shard_with_the_fsdp_plugin(self) -> None:
+        """accelerate's FSDP plugin (``fsdp_version: 2``): the model is sharded now, before the privacy engine is set up
+        on it, on its blocks (the plugin's ``transformer_layer_cls_to_wrap``, or the model's) and its root, with the
+        plugin's mixed precision, offload and resharding (:func:`~trl_userdp.distributed.shard_model`; accelerate's own
+        policy would also shard the input embeddings alone, a layer the per-user hooks need inside a block).
+        ``accelerator.prepare`` later finds the model sharded and only maps the optimizer onto it.
+
+        Raises:
+            ValueError: FSDP1, or activation checkpointing (per-user gradients need each layer's own backward pass).
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+        plugin = self.accelerator.state.fsdp_plugin
+        if getattr(plugin, "fsdp_version", 1) != 2:
+            raise ValueError("accelerate's FSDP plugin with fsdp_version 1 flattens parameters, which the per-user hooks "
+                             "cannot see: set fsdp_version: 2 (FSDP2), or shard before the trainer.")
+        if plugin.activation_checkpointing:
+            raise ValueError("FSDP activation checkpointing recomputes layers in the backward pass, so per-user "
+                             "gradients would be wrong: turn activation_checkpointing off under user-level DP.")
+        blocks = plugin.transformer_cls_names_to_wrap
+        if isinstance(blocks, str):
+            blocks = [name.strip() for name in blocks.split(",") if name.strip()]
+        options = {"mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+                   "reshard_after_forward": plugin.reshard_after_forward}
+        if isinstance(plugin.cpu_offload, OffloadPolicy):
+            options["offload_policy"] = plugin.cpu_offload
+        self.model = self.model_wrapped = distributed.shard_model(self.model, self.args.device.type, blocks or None,
+                                                                  **options)
 
     @property
     def _dp_active(self) -> bool:
@@ -476,7 +503,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The Trainer's, but a sharded model's optimizer state is saved by every process, its own shards
         (``torch.distributed.checkpoint`` under ``optimizer_sharded/``); the scheduler by the main process."""
-        if not distributed.is_sharded(self.model):
+        if not distributed.is_sharded(self.model) or self.is_fsdp_enabled:  # the plugin saves its own shards
             return super()._save_optimizer_and_scheduler(output_dir)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -521,7 +548,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         model = self.model if model is None else model
-        if distributed.is_sharded(model):
+        if distributed.is_sharded(model) and not self.is_fsdp_enabled:
             _load_full_into_shards(model, resume_from_checkpoint)
         else:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
