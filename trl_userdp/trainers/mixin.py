@@ -218,12 +218,12 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
                 unfuse_lm_head(policy)
             resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
             get_mechanism(self.args.privacy_mechanism).check_world_size(self.accelerator.num_processes)
-            if getattr(self, "is_fsdp_enabled", False):
-                self._shard_with_the_fsdp_plugin()
             if getattr(self, "is_deepspeed_enabled", False):
                 raise ValueError("DeepSpeed reduces and partitions raw gradients inside its engine, before any per-user "
                                  "clipping: use DDP (`accelerate launch --multi_gpu`), which the trainers support.")
-            if distributed.is_sharded(self.model):
+            if getattr(self, "is_fsdp_enabled", False):
+                self._shard_with_the_fsdp_plugin()
+            elif distributed.is_sharded(self.model):
                 # Sharded by FSDP2 before the trainer: the engine reduces the clipped sums itself, so the Trainer must
                 # neither wrap the model in DDP nor have accelerate shard it again (transformers' flag for a model that
                 # owns its gradient reduction; set after its __init__, whose checkpoint refusal the overrides below
@@ -255,6 +255,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         if plugin.activation_checkpointing:
             raise ValueError("FSDP activation checkpointing recomputes layers in the backward pass, so per-user "
                              "gradients would be wrong: turn activation_checkpointing off under user-level DP.")
+        plugin.set_auto_wrap_policy(self.model)  # resolved on the unsharded model (accelerate resolves it once)
         blocks = plugin.transformer_cls_names_to_wrap
         if isinstance(blocks, str):
             blocks = [name.strip() for name in blocks.split(",") if name.strip()]
