@@ -122,6 +122,7 @@ def _worker(rank, world, tmp):
             torch.save({"updates": updates, "owned": owned, "rows": rows, "epsilon": engine.get_epsilon(1e-5),
                         "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
         _resume(rank, tmp)
+        _refusals_and_failures(rank, tmp)
     finally:
         dist.destroy_process_group()
 
@@ -132,7 +133,8 @@ def ranks():
     files ("resume")."""
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, d), nprocs=2, join=True)
-        results = {case: [torch.load(Path(d) / f"{case}{r}.pt") for r in range(2)] for case in (*CASES, "resume")}
+        results = {case: [torch.load(Path(d) / f"{case}{r}.pt") for r in range(2)]
+                   for case in (*CASES, "resume", "refusals")}
         results["checkpoint_files"] = sorted(os.listdir(Path(d) / "checkpoint"))
         yield results
 
@@ -166,6 +168,9 @@ def test_every_element_gets_one_noise_draw_and_the_epsilon_is_the_single_process
     for rank, r in enumerate(ranks["noise"]):
         regions[f"rank {rank}"] = torch.cat([noise[:, a:b] for a, b in r["owned"]], 1).flatten()
     assert regions["rank 0"].numel() + regions["rank 1"].numel() == regions["all"].numel()
+    k = min(regions["rank 0"].numel(), regions["rank 1"].numel())  # the ranks' draws are independent, not one stream
+    corr = float(torch.corrcoef(torch.stack([regions["rank 0"][:k], regions["rank 1"][:k]]))[0, 1])
+    assert abs(corr) < 5 / k ** 0.5, corr
     for name, x in regions.items():
         n = x.numel()
         lo, hi = stats.chi2.interval(0.999, n)
@@ -175,6 +180,43 @@ def test_every_element_gets_one_noise_draw_and_the_epsilon_is_the_single_process
     for r in ranks["noise"]:
         assert r["steps"] == single.accountant.steps_taken
         assert r["epsilon"] == pytest.approx(single.get_epsilon(1e-5), rel=1e-12)
+
+
+def _refusals_and_failures(rank, tmp):
+    """A noise generator passed by the caller (seeded alike on every rank: the same noise on every shard) is refused on
+    both ranks; a check failing on rank 1 alone, after the step's collectives, stops both ranks instead of hanging."""
+    from trl_userdp.optimizers import ShardedUserDPOptimizerFastGradientClipping
+
+    out = {}
+
+    def setup(**options):
+        model = shard_model(tiny_llama_rm())
+        engine = trl_userdp.PrivacyEngine(accountant="rdp")
+        return engine, model, engine.make_private_user_level(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(preference_dataset(n_users=N_USERS, pairs_per_user=2),
+                                   collate_fn=DataCollatorForPreference(pad_token_id=0)),
+            noise_multiplier=1.0, max_grad_norm=0.5, max_samples_per_user=3, users_per_batch=UPB, rows_per_example=2,
+            sampling_seed=0, grad_sample_mode="ghost", **options)[1]
+
+    try:
+        setup(noise_generator=torch.Generator().manual_seed(0))
+        out["generator"] = None
+    except ValueError as err:
+        out["generator"] = str(err)
+    engine, model, optimizer = setup(noise_seed=1)
+    if rank == 1:
+        def failing_check(self):
+            raise ValueError("injected check failure")
+        optimizer._check_backward_complete = failing_check.__get__(optimizer)
+    try:
+        _backward(engine, model, next(iter(engine.data_loader)))
+        optimizer.step()
+        out["fail"] = None
+    except ValueError as err:
+        out["fail"] = str(err)
+    assert isinstance(optimizer, ShardedUserDPOptimizerFastGradientClipping)
+    torch.save(out, os.path.join(tmp, f"refusals{rank}.pt"))
 
 
 def _resume(rank, tmp):
@@ -203,6 +245,13 @@ def _resume(rank, tmp):
     run(2, save=os.path.join(tmp, "checkpoint"))
     resumed = run(2, load=os.path.join(tmp, "checkpoint"))
     torch.save({"straight": straight, "resumed": resumed}, os.path.join(tmp, f"resume{rank}.pt"))
+
+
+def test_a_caller_generator_is_refused_and_a_check_failing_on_one_rank_stops_both(ranks):
+    r0, r1 = ranks["refusals"]
+    for r in (r0, r1):
+        assert "noise_generator seeded alike on every process" in r["generator"]
+    assert r1["fail"] == "injected check failure" and "Another process failed" in r0["fail"]
 
 
 def test_a_sharded_run_resumes_from_its_checkpoint_with_the_same_steps_and_epsilon(ranks):

@@ -4,9 +4,8 @@ must share, identical starting parameters (what Opacus's ``DPDDP`` does at wrap 
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -118,36 +117,37 @@ def check_sharding(module: nn.Module, packable: Tuple[type, ...]) -> None:
                              f"{world_size()} processes and parameters sharded on dim 0 (fully_shard's default; no HSDP "
                              "or tensor parallelism).")
     for m in _fsdp_modules(module):
-        if isinstance(m, packable):
-            layer = next(c for c in type(m).__mro__ if c in packable)
+        own = any(p.requires_grad for p in m.parameters(recurse=False))
+        if isinstance(m, packable) or (own and not list(m.children())):
+            layer = type(m).__mro__[2]  # FSDP2's class is (FSDP<Layer>, FSDPModule, <Layer>, ...)
             raise ValueError(f"A {layer.__name__} layer is sharded on its own (fully_shard on the layer): "
                              "the per-user hooks compute its gradients by layer type. Apply fully_shard to blocks "
                              "(decoder layers) and to the root instead.")
 
 
-@contextlib.contextmanager
-def unsharded(module: nn.Module) -> Iterator[Dict[nn.Parameter, nn.Parameter]]:
-    """Gather every FSDP2 module's parameters for the duration of the block.
+def gathered_parameters(module: nn.Module) -> Dict[nn.Parameter, nn.Parameter]:
+    """The unsharded parameter FSDP2 gathers for each sharded one.
 
     FSDP2 swaps each sharded parameter for one unsharded ``nn.Parameter`` (the same object at every forward and
-    backward pass) while a module runs; hooks that key per-sample state by parameter see that one.
+    backward pass) while a module runs; hooks that key per-sample state by parameter must key it by that one. Each group
+    is gathered in turn to find them, so no process holds the whole model.
 
     Args:
         module: The model, after ``fully_shard``.
 
-    Yields:
+    Returns:
         ``{sharded parameter: its unsharded parameter}``.
     """
-    modules = _fsdp_modules(module)
+    dtensor = dtensor_class()
     sharded = dict(module.named_parameters())
-    for m in modules:
+    live: Dict[str, nn.Parameter] = {}
+    for m in _fsdp_modules(module):
         m.unshard()
-    try:
-        live = dict(module.named_parameters())
-        yield {sharded[name]: live[name] for name in sharded}
-    finally:
-        for m in modules:
+        try:
+            live.update((n, p) for n, p in module.named_parameters() if n not in live and not isinstance(p, dtensor))
+        finally:
             m.reshard()
+    return {sharded[name]: live[name] for name in sharded}
 
 
 def shard_model(module: nn.Module, device_type: str = "cpu", blocks: Optional[List[str]] = None,

@@ -325,12 +325,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """Attach the per-user hooks and wrap ``optimizer`` in the mechanism's ``optimizer_class``."""
         self._position_hook = supply_position_ids(module)
         hooks_class = UserGhostHooks if opts.grad_sample_mode == "ghost" else UserGradSampleHooks
+        hooks = hooks_class(module, force_functorch=opts.grad_sample_mode == "functorch")
         if distributed.is_sharded(module):  # the hooks key their state by the parameters FSDP2 gathers
-            with distributed.unsharded(module) as live_params:
-                hooks = hooks_class(module, force_functorch=False)
-            mechanism_options["live_params"] = live_params
-        else:
-            hooks = hooks_class(module, force_functorch=opts.grad_sample_mode == "functorch")
+            mechanism_options["live_params"] = distributed.gathered_parameters(module)
+            hooks.use_gathered_parameters(mechanism_options["live_params"])
         return optimizer_class(
             optimizer,
             hooks=hooks,

@@ -96,6 +96,8 @@ ONE_NOISY_STEP = dict(steps=1, noise_multiplier=SIGMA, target_epsilon=None, per_
 #: in most steps one process has no user and runs the placeholder pass
 SHARDED = dict(sharded=True, grad_sample_mode="ghost")
 SHARDED_EXACT = dict(steps=6, users_per_batch=1.0, **SHARDED, **EXACT)
+#: each draw in two micro-batches (gradient accumulation), each clipped and reduce-scattered in turn
+SHARDED_GA = dict(steps=3, users_per_batch=2.0, gradient_accumulation_steps=2, **SHARDED, **EXACT)
 SHARDED_NOISY = dict(steps=4, target_epsilon=3.0, accountant="rdp", optim="adamw_torch", **SHARDED)
 
 
@@ -106,7 +108,7 @@ def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"dist_{kind}")
     sharded_checkpoint = os.path.join(str(root), "sharded_ckpt", "checkpoint-2")
     jobs = [("dist", STEPS_EXACT, -1), ("dist_eps", NOISY, -1), ("noise", ONE_NOISY_STEP, -1),
-            ("sharded", SHARDED_EXACT, -1),
+            ("sharded", SHARDED_EXACT, -1), ("sharded_ga", SHARDED_GA, -1),
             ("sharded_noise", dict(**ONE_NOISY_STEP, **SHARDED), -1),
             ("sharded_ckpt", dict(**SHARDED_NOISY, save_strategy="steps", save_steps=2), -1),
             ("sharded_resumed", dict(**SHARDED_NOISY, resume_from_checkpoint=sharded_checkpoint), -1),
@@ -144,19 +146,20 @@ def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(runs, 
 def test_a_model_sharded_by_fsdp2_takes_the_single_process_steps(runs, tmp_path):
     """Issue 28: the trainer on a model sharded by FSDP2 before it (the Trainer neither wraps nor re-shards it): σ = 0
     and no user clipped, six steps in which a process often has no user (its placeholder pass runs the layers'
-    collectives): the single-process model, and the saved model is the full one (the sharded engine's ε is the
+    collectives), and three in two micro-batches each: the single-process model, and the saved model is the full one (the sharded engine's ε is the
     single-process ε: tests/test_sharded.py)."""
     kind, runs = runs
-    out, ranks = runs["sharded"]
-    assert all("error" not in r for r in ranks), ranks
-    assert ranks[0]["ddp"].startswith("FSDP") and ranks[0]["steps"] == 6
-    single = _run(kind, str(tmp_path / "single"), **{**SHARDED_EXACT, "sharded": False})
     start = _fresh(kind)
-    for name, value in single.model.state_dict().items():
-        for r in ranks:
-            update, expected = r["params"][name] - start[name], value.detach() - start[name]
-            torch.testing.assert_close(update, expected, atol=1e-7, rtol=1e-5, msg=name)
-    assert any(not torch.equal(v.detach(), start[k]) for k, v in single.model.state_dict().items())
+    for job, settings in (("sharded_ga", SHARDED_GA), ("sharded", SHARDED_EXACT)):
+        out, ranks = runs[job]
+        assert all("error" not in r for r in ranks), ranks
+        assert ranks[0]["ddp"].startswith("FSDP") and ranks[0]["steps"] == settings["steps"]
+        single = _run(kind, str(tmp_path / job), **{**settings, "sharded": False})
+        for name, value in single.model.state_dict().items():
+            for r in ranks:
+                update, expected = r["params"][name] - start[name], value.detach() - start[name]
+                torch.testing.assert_close(update, expected, atol=1e-7, rtol=1e-5, msg=f"{job}: {name}")
+        assert any(not torch.equal(v.detach(), start[k]) for k, v in single.model.state_dict().items())
     saved = _saved(kind, out)  # save_model gathered the shards into one model on the main process
     for name, value in saved.items():
         torch.testing.assert_close(value, ranks[0]["params"][name], atol=0, rtol=0, msg=name)

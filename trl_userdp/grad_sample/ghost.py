@@ -194,6 +194,22 @@ class UserGhostHooks(UserGradSampleHooks):
         p._grad_nonzero = nonzero if getattr(p, "_grad_nonzero", None) is None else p._grad_nonzero | nonzero
         p.grad = None
 
+    def use_gathered_parameters(self, gathered: Dict[nn.Parameter, nn.Parameter]) -> None:
+        """Key the per-parameter state by the parameters FSDP2 gathers while a layer runs (one object per sharded
+        parameter, :func:`~trl_userdp.distributed.gathered_parameters`) instead of the shards the hooks were built on.
+
+        Args:
+            gathered: ``{sharded parameter: its unsharded parameter}``.
+        """
+        for handle in self._grad_hooks:
+            handle.remove()
+        self.param_names = {gathered[p]: name for p, name in self.param_names.items()}
+        for p in self.param_names:
+            p.grad_sample = None
+            p._forward_counter = 0
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._drop_grad) for p in self.param_names]
+        self.reset_step()
+
     @contextlib.contextmanager
     def placeholder_pass(self) -> Iterator[None]:
         """Forward and backward passes inside the block add nothing to the step: the hooks record nothing and
@@ -412,6 +428,11 @@ class UserGhostHooks(UserGradSampleHooks):
                                                  _as_one_sample(backprops))
         return {p: g[0] for p, g in _by_recorded(module, grads, params).items()}
 
+    def _sum_dtype(self, p: nn.Parameter) -> torch.dtype:
+        """The dtype of the step's sums: the parameter's, or its shard's under FSDP2 (whose mixed precision can gather
+        the parameter in a lower one)."""
+        return p.dtype if self.shards is None else self.shards[p].dtype
+
     def _add(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         grad = grad.to(p.dtype)
         self.clipped[p] = grad if p not in self.clipped else self.clipped[p] + grad
@@ -438,9 +459,9 @@ class UserGhostHooks(UserGradSampleHooks):
             if group is not None and group not in done:
                 computed.update(group())  # this layer's sums, each freed once scattered
                 done.add(group)
-            full = computed.pop(p, None)
-            full = torch.zeros(p.shape, dtype=p.dtype, device=p.device) if full is None else full.to(p.dtype)
             shard = self.shards[p]
+            full = computed.pop(p, None)
+            full = torch.zeros(p.shape, dtype=shard.dtype, device=p.device) if full is None else full.to(shard.dtype)
             local = DTensor.from_local(full, shard.device_mesh, [Partial()], shape=shard.shape, stride=shard.stride()
                                        ).redistribute(shard.device_mesh, shard.placements).to_local()
             del full
@@ -502,7 +523,7 @@ class UserGhostHooks(UserGradSampleHooks):
                 scaled = _fp32(backprops) * _rows_view(row_weights * scale, backprops)
                 for p, g in self._whole_batch_gradient(module, record.params, [_fp32(a) for a in activations],
                                                        scaled).items():
-                    g = g.to(p.dtype)
+                    g = g.to(self._sum_dtype(p))
                     total[p] = g if p not in total else total[p] + g
             return total
 

@@ -6,9 +6,10 @@ Users are sharded by rank as under data parallelism, so each user's rows, norm a
 layer runs, FSDP2 has gathered its parameters, and :class:`~trl_userdp.grad_sample.UserGhostHooks` (built on the
 gathered parameters) computes each user's ghost norm and the book-kept clipped sum ``Σ_u c_u ḡ_u`` from the layer's
 activations and output gradients, as on one process. Autograd's own gradient (the unclipped one) is freed as it is
-accumulated, so FSDP2 has nothing to reduce-scatter. As each micro-batch is clipped, each layer's clipped sum is
-summed over the ranks and scattered to the shards in one collective (a ``Partial`` DTensor redistributed to FSDP2's
-``Shard(0)`` layout, uneven shards included), so no rank holds more than one layer's full sums; at the step each rank
+accumulated, so FSDP2 has nothing to reduce-scatter. As each micro-batch is clipped, each parameter's clipped sum is
+summed over the ranks and scattered to the shards by one collective per parameter tensor (a ``Partial`` DTensor
+redistributed to FSDP2's ``Shard(0)`` layout, uneven shards included), layer by layer, so no rank holds more than one
+layer's full sums; at the step each rank
 adds ``N(0, σ²C²)`` to the elements it owns: every element of the full gradient gets exactly one draw.
 """
 
@@ -31,7 +32,7 @@ class ShardedUserDPOptimizerFastGradientClipping(StopTogether, UserDPOptimizerFa
     Args:
         optimizer: The wrapped optimizer, over the sharded parameters (DTensors).
         live_params: ``{sharded parameter: the unsharded parameter FSDP2 gathers for it}``, on which the hooks were
-            built (:func:`~trl_userdp.distributed.unsharded`).
+            keyed (:func:`~trl_userdp.distributed.gathered_parameters`).
         expected_batch_size: ñ, the expected users per step over all processes.
         **kwargs: As :class:`UserDPOptimizer`'s. ``self_check`` is off: it compares the per-user sums with
             autograd's gradient, which the hooks free here before FSDP2 would reduce-scatter it; the sharded update is
@@ -40,6 +41,10 @@ class ShardedUserDPOptimizerFastGradientClipping(StopTogether, UserDPOptimizerFa
 
     def __init__(self, optimizer: Optimizer, *, live_params: Dict[torch.nn.Parameter, torch.nn.Parameter],
                  **kwargs: Any):
+        if kwargs.get("generator") is not None and not kwargs.get("secure_mode") and torch.distributed.get_world_size() > 1:
+            raise ValueError("A noise_generator seeded alike on every process would add the same noise to every shard "
+                             "(subtracting two shards would cancel it): pass noise_seed, keyed by step and process, or "
+                             "leave the noise to the OS.")
         kwargs["self_check"] = False
         super().__init__(optimizer, **kwargs)
         self.live_params = live_params
@@ -64,10 +69,11 @@ class ShardedUserDPOptimizerFastGradientClipping(StopTogether, UserDPOptimizerFa
     def accumulate(self) -> None:
         """``p.summed_grad`` = this rank's shard of ``Σ_{all ranks' users} c_u ḡ_u``, which the hooks keep (each
         layer's clipped sums reduce-scattered to the shards as each micro-batch is clipped)."""
-        self._check_backward_complete()
         live = [self._live(p) for p in self.params]
+        # the sums first (every process joins their collectives), then this process's checks (StopTogether)
         for p, summed in zip(self.params, self.hooks.clipped_sums(live)):
             p.summed_grad = summed
+        self._check_backward_complete()
         if self.hooks.units_in_step > 0:
             for p, q in zip(self.params, live):
                 if q not in self.hooks.touched:

@@ -295,7 +295,7 @@ def shard_for_training(model, model_args, training_args):
                          "unsharded: drop --use_peft (or --shard_model).")
     if training_args.grad_sample_mode != "ghost":
         raise ValueError("--shard_model needs --grad_sample_mode ghost: no process holds a user's whole gradient.")
-    return distributed.shard_model(model.to(training_args.device), training_args.device.type)
+    return distributed.shard_model(model, training_args.device.type)  # fully_shard moves each shard to the device
 
 
 def _done(trainer, report) -> int:

@@ -122,8 +122,10 @@ def _load_full_into_shards(model: torch.nn.Module, folder: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     index = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
-    files = (sorted(set(json.load(open(index))["weight_map"].values())) if os.path.isfile(index)
-             else [SAFE_WEIGHTS_NAME])
+    files = [SAFE_WEIGHTS_NAME]
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
     full: Dict[str, torch.Tensor] = {}
     for name in files:
         full.update(load_file(os.path.join(folder, name)))
@@ -224,10 +226,10 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             if getattr(self, "is_fsdp_enabled", False):
                 self._shard_with_the_fsdp_plugin()
             elif distributed.is_sharded(self.model):
-                # Sharded by FSDP2 before the trainer: the engine reduces the clipped sums itself, so the Trainer must
-                # neither wrap the model in DDP nor have accelerate shard it again (transformers' flag for a model that
-                # owns its gradient reduction; set after its __init__, whose checkpoint refusal the overrides below
-                # answer: sharded optimizer state, the full model gathered and loaded into the shards)
+                # Sharded by FSDP2 (fully_shard) before the trainer: the engine reduces the clipped sums itself, so the
+                # Trainer must neither wrap the model in DDP nor have accelerate shard it again (transformers' flag for a
+                # model that owns its gradient reduction; set after its __init__, whose checkpoint refusal the overrides
+                # below answer: sharded optimizer state, the full model gathered and loaded into the shards)
                 self.is_distributed_loading_by_transformers = True
             self.add_callback(PrivacyBudgetCallback(self))
             # Each micro-batch's loss is the mean of its own rows and each row's gradient must be its own (the hooks
@@ -239,14 +241,15 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
     def _shard_with_the_fsdp_plugin(self) -> None:
         """accelerate's FSDP plugin (``fsdp_version: 2``): the model is sharded now, before the privacy engine is set up
         on it, on its blocks (the plugin's ``transformer_layer_cls_to_wrap``, or the model's) and its root, with the
-        plugin's mixed precision, offload and resharding (:func:`~trl_userdp.distributed.shard_model`; accelerate's own
+        plugin's mixed precision and resharding (:func:`~trl_userdp.distributed.shard_model`; accelerate's own
         policy would also shard the input embeddings alone, a layer the per-user hooks need inside a block).
         ``accelerator.prepare`` later finds the model sharded and only maps the optimizer onto it.
 
         Raises:
-            ValueError: FSDP1, or activation checkpointing (per-user gradients need each layer's own backward pass).
+            ValueError: FSDP1, activation checkpointing (per-user gradients need each layer's own backward pass), or
+                CPU offload.
         """
-        from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         plugin = self.accelerator.state.fsdp_plugin
         if getattr(plugin, "fsdp_version", 1) != 2:
@@ -261,8 +264,9 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             blocks = [name.strip() for name in blocks.split(",") if name.strip()]
         options = {"mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
                    "reshard_after_forward": plugin.reshard_after_forward}
-        if isinstance(plugin.cpu_offload, OffloadPolicy):
-            options["offload_policy"] = plugin.cpu_offload
+        if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+            raise ValueError("FSDP CPU offload keeps the shards on the CPU while the clipped sums and the noise are made "
+                             "on the GPU: turn cpu_offload off under user-level DP.")
         self.model = self.model_wrapped = distributed.shard_model(self.model, self.args.device.type, blocks or None,
                                                                   **options)
 
@@ -376,6 +380,13 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             with model.no_sync():
                 return super().training_step(model, inputs, num_items_in_batch)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """Nothing to defer on a model sharded before the trainer: the hooks free the raw gradient as it is accumulated
+        and the engine reduces the clipped sums once per draw (transformers' version reads a ``distributed_config``
+        that such a model does not have)."""
+        yield
 
     def _placeholder_pass(self, model) -> None:
         """On a model sharded by FSDP2 a process with no user in a micro-batch still runs every layer (each gathers its
