@@ -62,8 +62,12 @@ def broadcast_parameters(module: nn.Module) -> None:
 
 # -- sharded models (FSDP2's fully_shard) -------------------------------------------------------
 def dtensor_class() -> type:
-    """``torch.distributed.tensor.DTensor`` (a class no parameter is an instance of where torch has no distributed
-    support)."""
+    """The class of sharded parameters.
+
+    Returns:
+        ``torch.distributed.tensor.DTensor``, or a class no parameter is an instance of where torch has no distributed
+        support.
+    """
     if not torch.distributed.is_available():
         return type("NoDTensor", (), {})
     from torch.distributed.tensor import DTensor
@@ -93,11 +97,12 @@ def _fsdp_modules(module: nn.Module) -> List[nn.Module]:
 def check_sharding(module: nn.Module, packable: Tuple[type, ...]) -> None:
     """Refuse a sharded layout the user-level path does not run: every parameter a DTensor sharded on dim 0 over one
     mesh of all processes (FSDP2's ``fully_shard`` on blocks and the root, the layout its documentation recommends),
-    and no layer whose per-sample gradient the hooks compute (``packable``: ``nn.Linear``…) sharded on its own.
+    and no layer sharded on its own (FSDP2 gives it a class of its own, which the per-user hooks, keyed by layer type,
+    do not know): a ``packable`` layer (``nn.Linear``…) or any leaf module holding trainable parameters.
 
     Args:
         module: The model, after ``fully_shard``.
-        packable: The layer types the per-user hooks compute gradients for by type.
+        packable: The layer types the per-user ghost hooks compute by type.
 
     Raises:
         ValueError: with the reason.
