@@ -559,11 +559,8 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         self.accelerator.wait_for_everyone()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        model = self.model if model is None else model
-        if distributed.is_sharded(model) and not self.is_fsdp_enabled:
-            _load_full_into_shards(model, resume_from_checkpoint)
-        else:
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        """The privacy state first (read as data, checked against this run once the engine is set up), then the
+        weights: the Trainer's, or for a model sharded before the trainer the full model read into the shards."""
         path = os.path.join(resume_from_checkpoint, PRIVACY_STATE_FILE)
         if self._dp_active:
             if not os.path.isfile(path):
@@ -573,3 +570,8 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             self._restored_privacy_state = (state, global_step, path)
             if self.privacy_engine is not None:
                 self._apply_privacy_state(*self._restored_privacy_state)
+        model = self.model if model is None else model
+        if distributed.is_sharded(model) and not self.is_fsdp_enabled:
+            _load_full_into_shards(model, resume_from_checkpoint)
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
