@@ -177,6 +177,15 @@ def _block_sharded(module):
     return _fully_shard(torch.nn.Sequential(module))
 
 
+def _hybrid_sharded(module):
+    """HSDP: replicated over one mesh dimension, sharded over the other."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(torch.nn.Sequential(module), mesh=init_device_mesh("cpu", (1, 1),
+                                                                        mesh_dim_names=("replicate", "shard")))
+
+
 def _partly_sharded(module):
     """A sharded block beside a plain layer (fully_shard not applied to the root)."""
     return torch.nn.Sequential(_block_sharded(module), torch.nn.Linear(1, 1))
@@ -187,6 +196,7 @@ def _partly_sharded(module):
     (_block_sharded, {}, "needs grad_sample_mode='ghost'"),
     (_fully_shard, {"grad_sample_mode": "ghost"}, "Linear layer is sharded on its own"),
     (_partly_sharded, {"grad_sample_mode": "ghost"}, "Some parameters are sharded and some are not"),
+    (_hybrid_sharded, {"grad_sample_mode": "ghost"}, "no HSDP or tensor parallelism"),
     (_block_sharded, {"grad_sample_mode": "ghost", "mechanism": "user_dpsgd_adaptive"},
      "does not run on an FSDP2-sharded model"),
 ])

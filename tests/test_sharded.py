@@ -311,3 +311,27 @@ def test_a_killed_process_fails_the_other_instead_of_hanging(tmp_path):
     assert not any(alive), "a process hung"
     assert procs[1].exitcode == 17 and procs[0].exitcode not in (0, None)
     assert (tmp_path / "error0.txt").exists() and elapsed < 60, elapsed
+
+
+def test_a_checkpoint_loads_into_the_shards_only_if_its_weights_are_the_models(tmp_path):
+    """The trainers' resume of a model sharded before them reads the full saved model into the shards: a tied model
+    (the head saved once, as its embedding) loads exactly; a checkpoint of another model is refused, not half-loaded."""
+    from trl_userdp.trainers.mixin import _load_full_into_shards
+
+    from .tiny_models import tiny_llama_lm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        saved = tiny_llama_lm(VOCAB, tie=True)
+        saved.save_pretrained(tmp_path / "checkpoint")
+        model = shard_model(tiny_llama_lm(VOCAB, tie=True))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        _load_full_into_shards(model, str(tmp_path / "checkpoint"))
+        for name, value in saved.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name].full_tensor(), value, rtol=0, atol=0, msg=name)
+        with pytest.raises(ValueError, match="do not match this model's"):
+            _load_full_into_shards(shard_model(tiny_llama_lm(VOCAB, tie=False)), str(tmp_path / "checkpoint"))
+    finally:
+        dist.destroy_process_group()

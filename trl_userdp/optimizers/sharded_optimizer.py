@@ -51,35 +51,15 @@ class ShardedUserDPOptimizerFastGradientClipping(StopTogether, UserDPOptimizerFa
         self.hooks.shards = {live: sharded for sharded, live in live_params.items()}
         self.rank = torch.distributed.get_rank()
 
-    def _live(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+    def _hooked(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The unsharded parameter FSDP2 gathers for the shard ``p``, by which the hooks key their state."""
         return self.live_params[p]
-
-    def _param_name(self, p: torch.nn.Parameter) -> str:
-        return self.hooks.param_names.get(self._live(p), f"<parameter of shape {tuple(p.shape)}>")
-
-    def _check_not_bypassed(self, p: torch.nn.Parameter) -> None:
-        super()._check_not_bypassed(self._live(p))
 
     def key_randomness(self) -> None:
         """With ``noise_seed``: seed this step's noise from ``(noise_seed, step, rank)``: each rank draws for its own
         shard, independently of the others."""
         if self.noise_seed is not None:
             self.generator.manual_seed(derive_seed(self.noise_seed, "noise", self.step_index(), self.rank))
-
-    def accumulate(self) -> None:
-        """``p.summed_grad`` = this rank's shard of ``Σ_{all ranks' users} c_u ḡ_u``, which the hooks keep (each
-        layer's clipped sums reduce-scattered to the shards as each micro-batch is clipped)."""
-        live = [self._live(p) for p in self.params]
-        # the sums first (every process joins their collectives), then this process's checks (StopTogether)
-        for p, summed in zip(self.params, self.hooks.clipped_sums(live)):
-            p.summed_grad = summed
-        self._check_backward_complete()
-        if self.hooks.units_in_step > 0:
-            for p, q in zip(self.params, live):
-                if q not in self.hooks.touched:
-                    self._check_not_bypassed(p)
-            if self.hooks.non_finite_units:
-                self._warn_non_finite()
 
     def add_noise(self) -> None:
         """``p.grad`` = this rank's shard of the clipped sum plus ``N(0, σ²C²)`` on each of its elements, as a DTensor

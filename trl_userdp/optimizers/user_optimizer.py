@@ -97,8 +97,12 @@ class UserDPOptimizer(DPOptimizer):
         (no backward, no ``grad_sample``) still counts as one step for the accountant."""
         return 1
 
+    def _hooked(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The parameter as the hooks key it: ``p`` itself (a sharded model's optimizer maps its shards)."""
+        return p
+
     def _param_name(self, p: torch.nn.Parameter) -> str:
-        return self.hooks.param_names.get(p, f"<parameter of shape {tuple(p.shape)}>")
+        return self.hooks.param_names.get(self._hooked(p), f"<parameter of shape {tuple(p.shape)}>")
 
     def unit_gradients(self) -> List[torch.Tensor]:
         """Each parameter's per-unit *averaged* gradients ``[U, *p.shape]`` for the current step (unit order:
@@ -154,7 +158,7 @@ class UserDPOptimizer(DPOptimizer):
 
     def _check_not_bypassed(self, p: torch.nn.Parameter) -> None:
         """A parameter with no per-unit term must have no gradient either."""
-        if self.hooks.received_gradient(p):
+        if self.hooks.received_gradient(self._hooked(p)):
             raise ValueError(
                 f"{self._param_name(p)!r} received a gradient but no per-sample gradient: its forward "
                 "bypassed the hooks (TRL's fused LM head, a functional call on the weight). Disable the "
@@ -336,13 +340,15 @@ class UserDPOptimizerFastGradientClipping(UserDPOptimizer, DPOptimizerFastGradie
     def accumulate(self) -> None:
         """``p.summed_grad = Σ_u c_u ḡ_u`` from the hooks (Opacus's extension point, where its ghost clipping takes
         ``p.grad``), after the checks the materialised path makes on the per-unit gradients: every forward pass
-        backpropagated, no parameter bypassing the hooks, non-finite users reported, and the first step's self-check."""
-        self._check_backward_complete()
-        for p, summed in zip(self.params, self.hooks.clipped_sums(self.params)):
+        backpropagated, no parameter bypassing the hooks, non-finite users reported, and the first step's self-check.
+        The sums come first: under several processes they may be collectives every process must join before its own
+        checks (:class:`StopTogether` shares a failure afterwards)."""
+        for p, summed in zip(self.params, self.hooks.clipped_sums([self._hooked(p) for p in self.params])):
             p.summed_grad = summed
+        self._check_backward_complete()
         if self.hooks.units_in_step > 0:
             for p in self.params:
-                if p not in self.hooks.touched:
+                if self._hooked(p) not in self.hooks.touched:
                     self._check_not_bypassed(p)
             if self.hooks.non_finite_units:
                 self._warn_non_finite()
@@ -352,8 +358,9 @@ class UserDPOptimizerFastGradientClipping(UserDPOptimizer, DPOptimizerFastGradie
 
 class StopTogether:
     """A check that fails on one process stops every process: each rank's ``pre_step`` (the single-process checks on
-    its own shard: self-check, stray forward, bypassed parameters) shares its failure before the step's collectives,
-    so no rank waits in one for a rank that raised."""
+    its own shard: self-check, stray forward, bypassed parameters) shares its failure before the step's remaining
+    collectives (a sharded model's clipped sums are exchanged before the checks, by every rank), so no rank waits in
+    one for a rank that raised."""
 
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
         """The wrapped ``pre_step``, its failure shared with every rank.
