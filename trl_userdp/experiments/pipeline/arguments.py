@@ -12,12 +12,12 @@ from ...validators import check_delta, check_epsilon, check_max_samples_per_user
 SFT_SETTINGS_FILE = "pipeline_sft_settings.json"
 
 #: the mechanisms of the published table (docs/pipeline.md); ``--mechanisms`` takes any registered one
-DEFAULT_MECHANISMS = ("none", "randomized_response", "group", "user_dpsgd", "aup")
+DEFAULT_MECHANISMS = ("none", "randomized_response", "group", "user_dpsgd", "user_dpsgd_adaptive", "aup")
 
 
 @dataclasses.dataclass
 class PipelineArguments:
-    """Settings of ``trl-userdp pipeline``. The defaults run in about six minutes on 2 CPU cores; the
+    """Settings of ``trl-userdp pipeline``. The defaults run in about ten minutes on 2 CPU cores; the
     paper's setting is n = 2500 users, m = 10, ε ∈ {3, 8}, δ = 1e-5 with Gemma-2-2B / Llama-2-7B
     policies (``--policy_model``) on a GPU."""
 

@@ -199,3 +199,64 @@ def mcnemar_p(correct: torch.Tensor, reference: torch.Tensor) -> float:
     if discordant == 0:
         return 1.0
     return float(min(1.0, 2 * stats.binom.cdf(min(only_this, only_reference), discordant, 0.5)))
+
+
+class PoolRewardModel(MiniLMRewardModel):
+    """:class:`MiniLMRewardModel` over a fixed pool of texts whose embeddings were computed once: each text is one
+    token, its index in the pool (then, from TRL's tokenization of text columns, EOS: :func:`pool_tokenizer`), and its
+    embedding the pool's row (the frozen encoder's embedding of that text). The
+    same head on the same embeddings as :class:`MiniLMRewardModel`, without a tokenizer or a cache lookup per text, for
+    runs that train many reward models on many pairs (``benchmarks/users_scaling.py``).
+
+    Args:
+        config: the reward model's config (``hidden_size`` the embeddings' width).
+        pool_embeddings: ``[P, hidden]``, row i the embedding of the pool's text i (held outside the module tree, as the
+            encoder is: frozen, shared, never saved with the head).
+    """
+
+    def __init__(self, config: MiniLMRewardConfig, pool_embeddings: Optional[torch.Tensor] = None):
+        super().__init__(config)
+        self.pool_embeddings = pool_embeddings
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                **kwargs) -> SequenceClassifierOutput:
+        weight = self.head.score.weight
+        embeddings = self.pool_embeddings[input_ids[:, 0].to(self.pool_embeddings.device)]
+        return SequenceClassifierOutput(logits=self.head(embeddings.to(weight.device, weight.dtype)).unsqueeze(-1))
+
+
+def pool_tokenizer(pool_size: int):
+    """A tokenizer whose text ``"p<i>"`` is the pool index i as one token (then ``[SEP]``, the EOS that TRL appends to
+    text columns), for :class:`PoolRewardModel` on text columns (randomized response privatizes those).
+
+    Args:
+        pool_size: P, the pool's texts.
+
+    Returns:
+        The tokenizer: token i is ``p<i>``; ``[PAD]`` is P and ``[SEP]`` (EOS) P + 1.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"p{i}": i for i in range(pool_size)}
+    vocab.update({"[PAD]": pool_size, "[SEP]": pool_size + 1})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", eos_token="[SEP]",
+                                   additional_special_tokens=["[SEP]"])
+
+
+def pool_pair_collator(examples: List[Dict[str, List[int]]]) -> Dict[str, torch.Tensor]:
+    """TRL's preference collation (``[chosen; rejected]`` rows) for pairs whose texts all have the same number of
+    tokens (a pool index, and EOS from text columns: :class:`PoolRewardModel`): nothing to pad, so one tensor, without
+    TRL's per-example padding.
+
+    Args:
+        examples: TRL's processed preference rows (``chosen_ids``, ``rejected_ids``).
+
+    Returns:
+        ``input_ids`` ``[2B, L]`` and its all-ones ``attention_mask``, as TRL's ``DataCollatorForPreference`` returns
+        for them.
+    """
+    ids = torch.tensor([e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

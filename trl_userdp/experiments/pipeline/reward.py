@@ -75,19 +75,54 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
     Returns:
         The reward model's head, privacy report and held-out accuracy.
     """
+    name = mechanism + ("" if epsilon is None else f"_eps{epsilon:g}")
+    steps = int(round(args.reward_epochs * args.n_users / args.users_per_batch))
+    model = new_reward_model(encoder, args.reward_training_seed)
+    report = fit_reward_model(model, Dataset.from_dict(data.preference_rows()), mechanism, epsilon, args, steps,
+                              os.path.join(args.output_dir, "reward_models", name), tau, processing_class=encoder.tokenizer)
+    correct = pair_correct(model.head, emb[data.eval_pairs[:, 0]], emb[data.eval_pairs[:, 1]])
+    return RewardResult(mechanism, epsilon, model.head, report, float(correct.float().mean()), correct)
+
+
+def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str, epsilon: Optional[float],
+                     args: PipelineArguments, steps: int, out_dir: str, tau: Optional[float] = None, *,
+                     processing_class=None, data_collator=None, noise_free: bool = False,
+                     aup_takes_every_user: bool = True) -> PrivacyReport:
+    """Train a reward model in place with :class:`~trl_userdp.trainers.UserDPRewardTrainer`: ``steps`` steps of ñ·m
+    pairs (each step's users drawn by Poisson sampling under the DP-SGD family), SGD at ``reward_lr``, C = 1, the
+    pipeline's seed, bf16 autocast; AUP-RLHF takes every user in every step (it halts on small Poisson batches) unless
+    told otherwise.
+
+    Args:
+        model: the reward model (a :class:`MiniLMRewardModel` or :class:`PoolRewardModel`), trained in place.
+        dataset: the users' pairs as TRL takes them (text columns, or processed ``chosen_ids``/``rejected_ids``).
+        mechanism: a registered mechanism's name, or "none".
+        epsilon: its target ε (``None`` for "none" and for ``noise_free``).
+        args: the pipeline's settings (n, m, ñ, learning rate, δ, relation, seed).
+        steps: the optimizer steps.
+        out_dir: the trainer's output directory (emptied first).
+        tau: AUP-RLHF's concentration radius, for a mechanism that needs one.
+        processing_class: the tokenizer (pad and EOS ids).
+        data_collator: the trainer's collator (None: TRL's).
+        noise_free: the mechanism's noise-free control: the same sampling, clipping (or outlier removal) and steps
+            with σ = 0 (no ε).
+        aup_takes_every_user: AUP-RLHF samples every user at every step (else ñ = ``users_per_batch``, as the others).
+
+    Returns:
+        The trainer's privacy report.
+    """
     from ...trainers import UserDPRewardConfig, UserDPRewardTrainer
 
-    name = mechanism + ("" if epsilon is None else f"_eps{epsilon:g}")
-    out_dir = os.path.join(args.output_dir, "reward_models", name)
     shutil.rmtree(out_dir, ignore_errors=True)  # randomized response reuses a saved draw: never one of an older run
     m, seed = args.max_samples_per_user, args.reward_training_seed
-    dataset = Dataset.from_dict(data.preference_rows())
-    steps = int(round(args.reward_epochs * args.n_users / args.users_per_batch))
-    privacy = dict(privacy_mechanism=mechanism, target_epsilon=epsilon, target_delta=args.delta, accountant="pld",
-                   neighboring_relation=args.neighboring_relation, per_user_max_grad_norm=1.0,
-                   max_samples_per_user=m, users_per_batch=args.users_per_batch, privacy_seed=seed)
+    privacy = dict(privacy_mechanism=mechanism, target_epsilon=None if noise_free else epsilon, target_delta=args.delta,
+                   accountant="pld", neighboring_relation=args.neighboring_relation, per_user_max_grad_norm=1.0,
+                   max_samples_per_user=m, users_per_batch=args.users_per_batch, privacy_seed=seed,
+                   noise_multiplier=0.0 if noise_free else None)
     if needs_public_tau(mechanism):
-        privacy.update(users_per_batch=float(args.n_users), max_users_per_batch=args.n_users, concentration_radius=tau)
+        privacy.update(concentration_radius=tau)
+        if aup_takes_every_user:
+            privacy.update(users_per_batch=float(args.n_users), max_users_per_batch=args.n_users)
     config = UserDPRewardConfig(
         output_dir=out_dir, max_steps=steps, per_device_train_batch_size=int(round(args.users_per_batch * m)),
         optim="sgd", learning_rate=args.reward_lr, lr_scheduler_type="constant", weight_decay=0.0, max_length=None,
@@ -96,14 +131,13 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
         # bf16 autocast, TRL's default when these results were made (docs/pipeline_results.json); the package's
         # configs now leave bf16 off on a CPU unless asked, so it is asked here (docs/privacy_model.md, "Precision and paths")
         bf16=True, disable_tqdm=True, **privacy)
-    model = new_reward_model(encoder, seed)
-    trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=dataset, processing_class=encoder.tokenizer)
+    trainer = UserDPRewardTrainer(model=model, args=config, train_dataset=dataset, processing_class=processing_class,
+                                  data_collator=data_collator)
     trainer.train()
     report = trainer.privacy_report()
     if trainer.privacy_engine is not None:
         trainer.privacy_engine.detach()
-    correct = pair_correct(model.head, emb[data.eval_pairs[:, 0]], emb[data.eval_pairs[:, 1]])
-    return RewardResult(mechanism, epsilon, model.head, report, float(correct.float().mean()), correct)
+    return report
 
 
 def needs_public_tau(mechanism: str) -> bool:
