@@ -28,6 +28,7 @@ the main job's settings, against its committed accuracies (docs/pipeline_results
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -38,8 +39,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.common import RESULTS_DIR, mean_ci, print_table, write_results
+from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
 from trl_userdp.mechanisms import AUPRLHF, register_mechanism
+from trl_userdp.mechanisms.base import MECHANISM_REGISTRY
 from trl_userdp.mechanisms.aup import default_max_users_per_batch, split_budget, survival_probability
 
 MECHANISMS = ("none", "user_dpsgd", "user_dpsgd_adaptive", "group", "randomized_response", "aup")
@@ -53,10 +55,10 @@ STEPS = 50
 WITHIN = 0.01  # "within 1 point of non-private"
 
 
-@register_mechanism
 class AUPNoiseFree(AUPRLHF):
-    """AUP-RLHF's control (this benchmark only): its sampling, concentration score, AboveThreshold and outlier removal,
-    with no Gaussian noise and no Laplace noise (AboveThreshold compares the exact score). No privacy: ε = ∞."""
+    """AUP-RLHF's control (this benchmark only, registered while it runs: :func:`_registered_control`): its sampling,
+    concentration score, AboveThreshold and outlier removal, with no Gaussian noise and no Laplace noise (AboveThreshold
+    compares the exact score). No privacy: ε = ∞."""
 
     name = "aup_noise_free"
     summary = "AUP-RLHF without its noise (benchmark control; no privacy)"
@@ -168,7 +170,22 @@ class Cell:
 _STATE: Dict[str, Any] = {}
 
 
+@contextlib.contextmanager
+def _registered_control():
+    """AUP-RLHF's noise-free control in the mechanism registry while the benchmark runs, and out of it afterwards (it
+    gives no privacy; nothing else may find it by name)."""
+    register_mechanism(AUPNoiseFree)
+    try:
+        yield
+    finally:
+        MECHANISM_REGISTRY.pop(AUPNoiseFree.name, None)
+
+
 def _init_worker(payload_path: str, threads: int) -> None:
+    """A worker process's state: the payload, its datasets cache, the pool tokenizer, the control's registration (a
+    spawned process lives only for the benchmark)."""
+    if AUPNoiseFree.name not in MECHANISM_REGISTRY:
+        register_mechanism(AUPNoiseFree)
     torch.set_num_threads(threads)
     _STATE.update(torch.load(payload_path, weights_only=False))
     _STATE["datasets"] = {}
@@ -270,22 +287,31 @@ def _aup_regime(epsilons: Sequence[float], delta: float, grid: Sequence[int]) ->
 
 
 def _summary(results: List[Dict[str, Any]], n_grid: Sequence[int]) -> Dict[str, Any]:
+    """Each series' mean accuracy per n (with its 95% interval over seeds) and, per private (mechanism, ε), the smallest
+    n whose mean is within :data:`WITHIN` of the reference's at that n, for two references: the tuned non-private model
+    and the non-private model at the mechanism's learning rate; with the gap to each at the largest n, paired by seed
+    (a seed shares the head's initialisation and the data order across series)."""
     cells: Dict[Tuple[str, Optional[float]], Dict[int, Dict[str, float]]] = {}
     for key in sorted({(r["series"], r["epsilon"]) for r in results}, key=lambda k: (k[1] or 0, k[0])):
         cells[key] = {n: mean_ci([r["accuracy"] for r in results if (r["series"], r["epsilon"]) == key and r["n"] == n])
                       for n in n_grid if any((r["series"], r["epsilon"]) == key and r["n"] == n for r in results)}
     rate = {r["series"]: r["learning_rate"] for r in results}
+    by_seed = {(r["series"], r["epsilon"], r["n"], r["seed"]): r["accuracy"] for r in results}
+    top = max(n_grid)
     reached = []
     for (series, eps), by_n in cells.items():
         if eps is None or "σ = 0" in series or "[" in series:
             continue
         same_rate = f"none [lr {rate[series]:g}]"
-        row = {"mechanism": series, "epsilon": eps}
-        for field, reference in (("smallest_n_within_1_point", "none"),
-                                 ("smallest_n_within_1_point_of_same_rate", same_rate)):
-            ref = cells.get((reference if (reference, None) in cells else "none", None), {})
-            row[field] = next((n for n in n_grid if n in by_n and n in ref and by_n[n]["mean"] >= ref[n]["mean"] - WITHIN),
-                              None)
+        row: Dict[str, Any] = {"mechanism": series, "epsilon": eps}
+        for field, reference in (("", "none"), ("_of_same_rate", same_rate)):
+            reference = reference if (reference, None) in cells else "none"
+            ref = cells[reference, None]
+            row["smallest_n_within_1_point" + field] = next(
+                (n for n in n_grid if n in by_n and n in ref and by_n[n]["mean"] >= ref[n]["mean"] - WITHIN), None)
+            gaps = [by_seed[series, eps, top, seed] - by_seed[reference, None, top, seed] for seed in
+                    sorted({k[3] for k in by_seed if k[:3] == (series, eps, top)}) if (reference, None, top, seed) in by_seed]
+            row["gap_at_largest_n" + field] = mean_ci(gaps) if gaps else None
         reached.append(row)
     return {"cells": {f"{s}|{e}": {str(n): c for n, c in by_n.items()} for (s, e), by_n in cells.items()},
             "reached": reached}
@@ -317,8 +343,6 @@ def _reproduction(results: List[Dict[str, Any]], seeds: int) -> Tuple[List[Dict[
                      "main_job_inside_benchmark": bool(ci["lo"] <= main <= ci["hi"])})
     print(f"\nReproduction at n = {MAIN_JOB_USERS} with the main job's settings (lr {MAIN_JOB_LR:g}, AUP-RLHF on every user): "
           f"this benchmark's data, {seeds} seeds, against docs/pipeline_results.json ({pairs} held-out pairs, exact 95%)")
-    from benchmarks.common import fmt
-
     table = print_table(["mechanism", "ε", "main job", "its 95% interval", "here", "here in its", "it in here's"],
                         [[r["mechanism"], "—" if r["epsilon"] is None else f"{r['epsilon']:g}", f"{r['main_job']:.3f}",
                           f"{r['main_job_interval'][0]:.3f}–{r['main_job_interval'][1]:.3f}", fmt(r["benchmark"]),
@@ -410,8 +434,29 @@ def _grpo(work_dir: str, best: Dict[str, Any], none: Dict[str, Any], control: Op
             "gain_over_sft": {"private": gain_best, "none": gain_none}, "private_minus_none": diff,
             "share_of_gain": gain_best["mean"] / full if full > 0 else None,
             # the share's interval with the non-private gain held fixed: 1 + (private − none)/gain(none)
-            "share_interval": ([1 + (diff["mean"] - diff["half_width"]) / full, 1 + (diff["mean"] + diff["half_width"]) / full]
-                       if full > 0 else None)}
+            "share_interval": _share_interval(finals[best["series"]]["per_prompt"], finals["none"]["per_prompt"],
+                                              sft_point["per_prompt"]) if full > 0 else None}
+
+
+def _share_interval(private: Sequence[float], none: Sequence[float], sft: Sequence[float], draws: int = 4000,
+                    seed: int = 0) -> List[float]:
+    """95% percentile-bootstrap interval of the share of the non-private gain, ``mean(private − sft) / mean(none −
+    sft)``, resampling the held-out prompts (both gains vary with them).
+
+    Args:
+        private: the private policy's value per prompt.
+        none: the non-private policy's, on the same prompts.
+        sft: the SFT policy's, on the same prompts.
+        draws: bootstrap resamples.
+        seed: their seed.
+
+    Returns:
+        ``[lo, hi]``.
+    """
+    a, b, c = (np.asarray(v, dtype=float) for v in (private, none, sft))
+    idx = np.random.default_rng(seed).integers(0, len(a), (draws, len(a)))
+    shares = (a[idx] - c[idx]).mean(1) / (b[idx] - c[idx]).mean(1)
+    return [float(np.quantile(shares, 0.025)), float(np.quantile(shares, 0.975))]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -437,6 +482,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     opts = parser.parse_args(argv)
     if "none" not in opts.mechanisms:
         parser.error("the non-private line is the reference: keep 'none' in --mechanisms")
+    with _registered_control():
+        return _run(opts)
+
+
+def _run(opts: argparse.Namespace) -> Dict[str, Any]:
+    """The benchmark: data, embeddings, the public tuning, the grid, the tables, GRPO, the results file and plot."""
     start = time.time()
     os.makedirs(opts.work_dir, exist_ok=True)
     n_grid = sorted(opts.n_users)
@@ -506,7 +557,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(f"\nHeld-out pair accuracy ({opts.eval_pairs} pairs), mean ± 95% half-width over {opts.seeds} seeds; "
           f"ñ = 2√n, T = {STEPS}, C = 1, δ = {opts.delta:g}, replace one user")
     header = ["mechanism", "ε", "lr"] + [f"n = {n:,}" for n in n_grid]
-    from benchmarks.common import fmt
 
     rate = {(r["series"], r["epsilon"]): r["learning_rate"] for r in results}
     table = print_table(header, [[key.split("|")[0], key.split("|")[1].replace("None", "—"),
@@ -515,9 +565,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                  for key, by_n in summary["cells"].items() if MAIN_JOB not in key])
     print(f"\nSmallest n whose mean is within {100 * WITHIN:g} point of the non-private mean at the same n: the tuned "
           "non-private model, and the non-private model at the mechanism's learning rate (the step-size control)")
-    reached_table = print_table(["mechanism", "ε", "vs non-private", "vs non-private at its lr"],
+    gap = lambda ci: "—" if ci is None else fmt(ci)
+    reached_table = print_table(["mechanism", "ε", "vs non-private", "vs non-private at its lr",
+                                 f"gap at n = {max(n_grid):,} (paired)", "gap to the same lr (paired)"],
                                 [[r["mechanism"], f"{r['epsilon']:g}", r["smallest_n_within_1_point"] or "not reached",
-                                  r["smallest_n_within_1_point_of_same_rate"] or "not reached"]
+                                  r["smallest_n_within_1_point_of_same_rate"] or "not reached",
+                                  gap(r["gap_at_largest_n"]), gap(r["gap_at_largest_n_of_same_rate"])]
                                  for r in summary["reached"]])
     regime = _aup_regime(opts.epsilons, opts.delta, opts.survival_grid)
     aup_runs = [r for r in results if r["mechanism"] == "aup" and not r["variant"]]
@@ -541,7 +594,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         top = max(n_grid)
         eps = 3.0 if 3.0 in opts.epsilons else max(opts.epsilons)
         private = [m for m in opts.mechanisms if m != "none"]
-        best_mech = max(private, key=lambda m: summary["cells"][f"{m}|{eps}"][str(top)]["mean"])
+        # the best private mechanism by the public validation users (at its chosen learning rate), not the held-out pairs
+        best_mech = max(private, key=lambda m: next(t["validation_accuracy"] for t in tuning if t["mechanism"] == m
+                                                    and t["learning_rate"] == lr[m]))
         pick = lambda m, e: next(r for r in results if r["mechanism"] == m and r["epsilon"] == e and r["n"] == top
                                  and r["seed"] == 0 and not r["control"] and not r["variant"])
         same_rate = next((r for r in results if r["variant"] == f"lr {lr[best_mech]:g}" and r["n"] == top

@@ -4,6 +4,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 from benchmarks import chowdhury_simulation, corruption_separation
@@ -135,6 +136,9 @@ def test_users_scaling_runs_every_mechanism_with_its_control_in_a_tiny_grid(tmp_
     assert all(r["learning_rate"] == out["rule"]["learning_rate"][r["mechanism"]] for r in out["results"] if not r["variant"])
     assert 0 <= out["aup_regime"][0]["survival"] <= 1
     assert os.path.exists(tmp_path / "users_scaling.json") and os.path.exists(tmp_path / "users_scaling.png")
+    from trl_userdp.mechanisms import mechanism_names
+
+    assert "aup_noise_free" not in mechanism_names()  # the control (no privacy) is registered only while it runs
 
 
 def test_users_scaling_finds_the_smallest_n_within_a_point_of_each_reference():
@@ -143,8 +147,8 @@ def test_users_scaling_finds_the_smallest_n_within_a_point_of_each_reference():
     from benchmarks import users_scaling
 
     def cells(series, epsilon, lr, accuracies, variant=""):
-        return [{"series": series, "epsilon": epsilon, "learning_rate": lr, "variant": variant, "n": n, "accuracy": a}
-                for n, pair in accuracies.items() for a in pair]
+        return [{"series": series, "epsilon": epsilon, "learning_rate": lr, "variant": variant, "n": n, "seed": seed,
+                 "accuracy": a} for n, pair in accuracies.items() for seed, a in enumerate(pair)]
 
     results = (cells("none", None, 0.5, {100: (0.70, 0.72), 400: (0.75, 0.77)})
                + cells("none [lr 0.1]", None, 0.1, {100: (0.66, 0.68), 400: (0.70, 0.72)}, "lr 0.1")
@@ -154,3 +158,16 @@ def test_users_scaling_finds_the_smallest_n_within_a_point_of_each_reference():
     assert reached["user_dpsgd"]["smallest_n_within_1_point"] is None
     assert reached["user_dpsgd"]["smallest_n_within_1_point_of_same_rate"] == 400
     assert reached["group"]["smallest_n_within_1_point_of_same_rate"] is None
+    gap = reached["user_dpsgd"]["gap_at_largest_n_of_same_rate"]  # paired by seed: 0.70 − 0.70 and 0.71 − 0.72
+    assert gap["n"] == 2 and abs(gap["mean"] + 0.005) < 1e-9
+
+
+def test_users_scaling_shares_the_gain_with_a_bootstrap_interval_over_prompts():
+    from benchmarks import users_scaling
+
+    rng = np.random.default_rng(0)
+    sft = rng.normal(0, 1, 256)
+    none, private = sft + 1.0 + rng.normal(0, 0.5, 256), sft + 0.3 + rng.normal(0, 0.5, 256)
+    lo, hi = users_scaling._share_interval(private, none, sft)
+    share = (private - sft).mean() / (none - sft).mean()
+    assert lo < share < hi and 0.15 < lo and hi < 0.45  # the share 0.3, both gains resampled
