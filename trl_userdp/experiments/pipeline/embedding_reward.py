@@ -204,9 +204,10 @@ def mcnemar_p(correct: torch.Tensor, reference: torch.Tensor) -> float:
 class PoolRewardModel(MiniLMRewardModel):
     """:class:`MiniLMRewardModel` over a fixed pool of texts whose embeddings were computed once: each text is one
     token, its index in the pool (then, from TRL's tokenization of text columns, EOS: :func:`pool_tokenizer`), and its
-    embedding the pool's row (the frozen encoder's embedding of that text). The
-    same head on the same embeddings as :class:`MiniLMRewardModel`, without a tokenizer or a cache lookup per text, for
-    runs that train many reward models on many pairs (``benchmarks/users_scaling.py``).
+    embedding the pool's row (the frozen encoder's embedding of that text). The same head on the same embeddings as
+    :class:`MiniLMRewardModel`, without a tokenizer or a cache lookup per text, for runs that train many reward models
+    on many pairs (``benchmarks/users_scaling.py``; ``tests/experiments/test_embedding_reward.py`` checks that both
+    train the same head).
 
     Args:
         config: the reward model's config (``hidden_size`` the embeddings' width).
