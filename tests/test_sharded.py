@@ -123,6 +123,9 @@ def _worker(rank, world, tmp):
                         "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
         _resume(rank, tmp)
         _refusals_and_failures(rank, tmp)
+        # both ranks past their last collective before the group is torn down: a rank that destroys it while the other
+        # is still in one can abort at exit (gloo; seen once in two CI runs under load, "terminate called")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
