@@ -47,6 +47,7 @@ def test_user_level_theory_runs_a_tiny_grid_on_nested_data(tmp_path):
     assert os.path.exists(tmp_path / "user_level_theory.png") and os.path.exists(tmp_path / "user_level_theory.json")
 
 
+@pytest.mark.slow  # 10 s of CPU: benchmarks are opt-in runs (the users-scaling smoke test keeps its place)
 def test_step_cost_benchmark_runs_a_tiny_setting(tmp_path):
     from benchmarks import step_cost
 
