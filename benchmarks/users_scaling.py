@@ -52,6 +52,8 @@ MAIN_JOB_USERS, MAIN_JOB_LR = 400, 2.0
 MAIN_JOB_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                                 "pipeline_results.json")
 STEPS = 50
+#: the payload's index arrays (numpy in memory, tensors in the file the workers load with ``weights_only=True``)
+ARRAYS = ("pairs", "users", "public_pairs", "public_users", "validation_pairs", "eval_pairs")
 WITHIN = 0.01  # "within 1 point of non-private"
 
 
@@ -64,13 +66,16 @@ class AUPNoiseFree(AUPRLHF):
     summary = "AUP-RLHF without its noise (benchmark control; no privacy)"
     accepts_noise_multiplier = True  # σ = 0
 
-    def optimizer_options(self, *, max_grad_norm, expected_units, steps, target_epsilon, target_delta):
+    def optimizer_options(self, *, max_grad_norm: Optional[float], expected_units: float, steps: Optional[int],
+                          target_epsilon: Optional[float], target_delta: Optional[float]) -> Dict[str, Any]:
+        """AUP-RLHF's options with σ = 0 and an AboveThreshold that adds no Laplace noise (ε_svt = ∞)."""
         return {"concentration_radius": self.concentration_radius, "max_users_per_batch": self.users_cap(expected_units),
                 "epsilon": 1.0, "delta": 1e-5,  # enter only σ·f(ε, δ), the noise std; σ = 0
                 "steps": steps, "svt_epsilon": math.inf,  # Laplace scales 4Δ/∞ = 0
                 "average_iterates": self.average_iterates}
 
     def epsilon(self, accounted_epsilon: float, optimizer: Any) -> float:
+        """No privacy: ε = ∞."""
         return math.inf
 
 
@@ -187,7 +192,7 @@ def _init_worker(payload_path: str, threads: int) -> None:
     if AUPNoiseFree.name not in MECHANISM_REGISTRY:
         register_mechanism(AUPNoiseFree)
     torch.set_num_threads(threads)
-    _STATE.update(torch.load(payload_path, weights_only=False))
+    _STATE.update({k: v.numpy() if k in ARRAYS else v for k, v in torch.load(payload_path, weights_only=True).items()})
     _STATE["datasets"] = {}
     from trl_userdp.experiments.pipeline.embedding_reward import pool_tokenizer
 
@@ -505,7 +510,7 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
                "eval_pairs": data.eval_pairs, "m": opts.m, "delta": opts.delta, "work_dir": opts.work_dir}
     payload["tau"] = _public_tau(payload) if "aup" in opts.mechanisms else None
     path = os.path.join(opts.work_dir, "payload.pt")
-    torch.save(payload, path)
+    torch.save({k: torch.from_numpy(v) if k in ARRAYS else v for k, v in payload.items()}, path)
 
     import multiprocessing
 
@@ -622,24 +627,15 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _public_tau(payload: Dict[str, Any]) -> float:
-    """AUP-RLHF's τ from the public training users at the initial head (the main job's rule, no privacy cost)."""
-    from torch.utils.data import TensorDataset
-
-    from trl_userdp.adaptive_engine import propose_concentration_radius
-    from trl_userdp.data import UserDataLoader
-    from trl_userdp.experiments.pipeline.embedding_reward import btl_margin
-    from trl_userdp.losses import BTLLoss
-
+    """AUP-RLHF's τ from the public training users at seed 0's initial head, as the cells build it (the main job's
+    rule, :func:`~trl_userdp.experiments.pipeline.reward.tau_from_public_users`; no privacy cost)."""
     from trl_userdp.experiments.pipeline.embedding_reward import MiniLMRewardConfig, PoolRewardModel
+    from trl_userdp.experiments.pipeline.reward import tau_from_public_users
 
-    emb, pairs, users = payload["embeddings"], payload["public_pairs"], payload["public_users"]
-    torch.manual_seed(0)  # seed 0's initial head, as the cells build it
+    emb = payload["embeddings"]
+    torch.manual_seed(0)
     head = PoolRewardModel(MiniLMRewardConfig(hidden_size=emb.shape[1], pad_token_id=0, eos_token_id=0), emb).head
-    public = TensorDataset(emb[pairs[:, 0]], emb[pairs[:, 1]])
-    loader = UserDataLoader(public, users_per_batch=float(users.max() + 1), user_ids=users.tolist(), rows_per_example=2,
-                            seed=0, steps=3)
-    return propose_concentration_radius(head, lambda h, b: BTLLoss()(btl_margin(h, *b)), loader, coverage=0.9)
-
+    return tau_from_public_users(head, emb, payload["public_pairs"], payload["public_users"], 0)
 
 if __name__ == "__main__":
     main()

@@ -164,8 +164,25 @@ def public_tau(encoder: MiniLMEncoder, emb: torch.Tensor, data: SentimentData, a
     Returns:
         The proposed τ.
     """
-    head = new_reward_model(encoder, args.reward_training_seed).head
-    public = TensorDataset(emb[data.public_pairs[:, 0]], emb[data.public_pairs[:, 1]])
-    loader = UserDataLoader(public, users_per_batch=float(data.public_users.max() + 1), user_ids=data.public_users.tolist(),
-                            rows_per_example=2, seed=args.seed, steps=3)
+    return tau_from_public_users(new_reward_model(encoder, args.reward_training_seed).head, emb, data.public_pairs,
+                                 data.public_users, args.seed)
+
+
+def tau_from_public_users(head: LinearRewardHead, emb: torch.Tensor, pairs, users, seed: int) -> float:
+    """AUP's τ at ``head`` from public users' pairs: every public user in each of 3 steps, coverage 0.9
+    (:func:`~trl_userdp.propose_concentration_radius`).
+
+    Args:
+        head: the initial reward head.
+        emb: the pool's embeddings.
+        pairs: ``[N, 2]`` the public pairs (indices into ``emb``, chosen first).
+        users: ``[N]`` their users (0 … U − 1).
+        seed: the loader's seed.
+
+    Returns:
+        The proposed τ.
+    """
+    public = TensorDataset(emb[pairs[:, 0]], emb[pairs[:, 1]])
+    loader = UserDataLoader(public, users_per_batch=float(users.max() + 1), user_ids=users.tolist(), rows_per_example=2,
+                            seed=seed, steps=3)
     return propose_concentration_radius(head, lambda h, b: BTLLoss()(btl_margin(h, *b)), loader, coverage=0.9)
