@@ -1,5 +1,5 @@
 """Online RL on a user-level private reward model (the PPO stage of AUP-RLHF; TRL ≥ 1.13 ships GRPO
-and RLOO): `UserDPGRPOTrainer` accepts the reward model only with its privacy report, never sees the
+and RLOO): `PublicPromptGRPOTrainer` accepts the reward model only with its privacy report, never sees the
 preference labels, and saves the carried-over report with the policy (post-processing: no new ε).
 
     python examples/reward_modeling.py            # first: a private reward model in runs/reward
@@ -19,7 +19,7 @@ from trl import GRPOConfig, TrlParser
 
 from trl_userdp.experiments.imdb import load_imdb_reviews, public_corpus
 from trl_userdp.experiments.pipeline import small_causal_lm
-from trl_userdp.trainers import UserDPGRPOTrainer
+from trl_userdp.trainers import PublicPromptGRPOTrainer
 
 DEFAULTS = ["--output_dir", "runs/online_rl", "--max_steps", "10", "--per_device_train_batch_size", "8",
             "--num_generations", "4", "--max_completion_length", "16", "--learning_rate", "1e-4", "--beta", "0.0",
@@ -48,7 +48,7 @@ def main(argv=None):
         tokenizer.save_pretrained(policy)
 
     reward_model = AutoModelForSequenceClassification.from_pretrained(script_args.reward_model, num_labels=1)
-    trainer = UserDPGRPOTrainer(
+    trainer = PublicPromptGRPOTrainer(
         model=policy, reward_funcs=reward_model, args=training_args, train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=AutoTokenizer.from_pretrained(policy),
         reward_processing_classes=AutoTokenizer.from_pretrained(script_args.reward_model),

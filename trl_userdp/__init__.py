@@ -25,10 +25,12 @@ _EXPORTS = {
     # the trainers pull in transformers' Trainer and TRL
     "UserDPDPOConfig": ".trainers",
     "UserDPDPOTrainer": ".trainers",
+    "UserDPGRPOConfig": ".trainers",
     "UserDPGRPOTrainer": ".trainers",
     "UserDPKTOConfig": ".trainers",
     "UserDPKTOTrainer": ".trainers",
-    "UserDPRLOOTrainer": ".trainers",
+    "PublicPromptGRPOTrainer": ".trainers",
+    "PublicPromptRLOOTrainer": ".trainers",
     "UserDPRewardConfig": ".trainers",
     "UserDPRewardTrainer": ".trainers",
 }

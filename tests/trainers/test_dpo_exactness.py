@@ -59,7 +59,7 @@ def test_per_user_gradients_match_a_per_user_autograd_loop(tmp_path, tie, lora):
 def test_trls_fused_lm_head_would_be_caught(tmp_path, monkeypatch, tie, match):
     """Why the trainer unfuses the head: with TRL's fused head the per-sample gradient of lm_head is
     missing (untied) or silently wrong (tied); the optimizer refuses both."""
-    monkeypatch.setattr("trl_userdp.trainers.mixin.unfuse_lm_head", lambda model: None)
+    monkeypatch.setattr("trl_userdp.trainers.mixin.unfuse_lm_head", lambda model, temperature: None)
     trainer = _trainer(tmp_path, tie=tie)
     with pytest.raises(ValueError, match=match):
         trainer.train()

@@ -8,7 +8,7 @@ from datasets import Dataset
 from trl import GRPOConfig, RLOOConfig
 
 from trl_userdp import PrivacyReport
-from trl_userdp.trainers import UserDPGRPOTrainer, UserDPRewardConfig, UserDPRewardTrainer, UserDPRLOOTrainer
+from trl_userdp.trainers import PublicPromptGRPOTrainer, UserDPRewardConfig, UserDPRewardTrainer, PublicPromptRLOOTrainer
 
 from ..tiny_models import tiny_llama_lm, tiny_tokenizer
 from .scripts import reward_script
@@ -26,7 +26,7 @@ def private_reward(tmp_path_factory):
     return trainer.model, str(out)
 
 
-@pytest.mark.parametrize("trainer_cls,config_cls", [(UserDPGRPOTrainer, GRPOConfig), (UserDPRLOOTrainer, RLOOConfig)])
+@pytest.mark.parametrize("trainer_cls,config_cls", [(PublicPromptGRPOTrainer, GRPOConfig), (PublicPromptRLOOTrainer, RLOOConfig)])
 def test_online_rl_runs_on_a_private_reward_model_and_carries_its_report(tmp_path, private_reward, trainer_cls, config_cls):
     reward_model, reward_dir = private_reward
     tokenizer = tiny_tokenizer()
@@ -51,10 +51,10 @@ def test_a_reward_model_without_a_report_is_refused_unless_declared_public(tmp_p
     unknown = tiny_llama_lm(len(tokenizer))
     args = GRPOConfig(output_dir=str(tmp_path), **ONLINE)
     with pytest.raises(ValueError, match="no privacy report"):
-        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=unknown, args=args, train_dataset=PROMPTS,
+        PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=unknown, args=args, train_dataset=PROMPTS,
                           processing_class=tokenizer)
     length_reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
-    trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=length_reward, args=args,
+    trainer = PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=length_reward, args=args,
                                 train_dataset=PROMPTS, processing_class=tokenizer, reward_model_is_public=True)
     assert trainer.carried_privacy_report().epsilon == 0.0
 
@@ -63,7 +63,7 @@ def test_preference_labels_never_reach_the_online_trainer(tmp_path, private_rewa
     tokenizer = tiny_tokenizer()
     with_labels = PROMPTS.add_column("chosen", ["x"] * len(PROMPTS))
     with pytest.raises(ValueError, match=r"columns \['chosen'\] besides"):
-        UserDPRLOOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
+        PublicPromptRLOOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
                           args=RLOOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=with_labels,
                           processing_class=tokenizer)
 
@@ -76,9 +76,9 @@ def test_a_reward_model_trained_without_privacy_is_not_private(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE)
     for public in (False, True):  # declaring it public does not make it so
         with pytest.raises(ValueError, match="without privacy"):
-            UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args,
+            PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args,
                               train_dataset=PROMPTS, processing_class=tokenizer, reward_model_is_public=public)
-    trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args,
+    trainer = PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args,
                                 train_dataset=PROMPTS, processing_class=tokenizer, reward_processing_classes=tokenizer,
                                 allow_non_private_reward=True)
     trainer.train()
@@ -94,7 +94,7 @@ def test_declaring_a_rule_public_keeps_the_private_reward_models_report(tmp_path
     reward_model, reward_dir = private_reward
     tokenizer = tiny_tokenizer()
     length_reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
-    trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=[reward_model, length_reward],
+    trainer = PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=[reward_model, length_reward],
                                 args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
                                 processing_class=tokenizer, reward_processing_classes=[tokenizer, None],
                                 reward_model_is_public=True)
@@ -109,7 +109,7 @@ def test_preference_labels_in_the_eval_dataset_are_refused(tmp_path, private_rew
     with_labels = PROMPTS.add_column("chosen", ["x"] * len(PROMPTS))
     eval_dataset = {"heldout": with_labels} if as_dict else with_labels
     with pytest.raises(ValueError, match=r"eval_dataset.* has columns \['chosen'\] besides"):
-        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
+        PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
                           args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
                           eval_dataset=eval_dataset, processing_class=tokenizer)
 
@@ -118,7 +118,7 @@ def test_a_randomized_response_reward_leaves_the_texts_unprotected_in_the_policy
     rr = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path / "rm"), steps=1,
                        privacy_mechanism="randomized_response")
     tokenizer = tiny_tokenizer()
-    trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=rr.model,
+    trainer = PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=rr.model,
                                 args=GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE), train_dataset=PROMPTS,
                                 processing_class=tokenizer, reward_processing_classes=tokenizer)
     carried = trainer.carried_privacy_report()
@@ -134,7 +134,7 @@ def test_a_private_starting_policy_is_composed_in_and_relations_must_agree(tmp_p
     tokenizer = tiny_tokenizer()
     policy = tiny_llama_lm(len(tokenizer))
     policy.privacy_report = reward  # as the trainers attach it to the models they train
-    trainer = UserDPGRPOTrainer(model=policy, reward_funcs=reward_model,
+    trainer = PublicPromptGRPOTrainer(model=policy, reward_funcs=reward_model,
                                 args=GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE), train_dataset=PROMPTS,
                                 processing_class=tokenizer, reward_processing_classes=tokenizer)
     carried = trainer.carried_privacy_report()
@@ -142,6 +142,6 @@ def test_a_private_starting_policy_is_composed_in_and_relations_must_agree(tmp_p
     assert carried.extra["initial_policy_report"]["epsilon"] == reward.epsilon
     policy.privacy_report = PrivacyReport.from_dict({**reward.to_dict(), "neighboring_relation": "replace"})
     with pytest.raises(ValueError, match="different neighbouring relations"):
-        UserDPGRPOTrainer(model=policy, reward_funcs=reward_model,
+        PublicPromptGRPOTrainer(model=policy, reward_funcs=reward_model,
                           args=GRPOConfig(output_dir=str(tmp_path / "policy2"), **ONLINE), train_dataset=PROMPTS,
                           processing_class=tokenizer, reward_processing_classes=tokenizer)

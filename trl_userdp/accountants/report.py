@@ -113,6 +113,10 @@ class PrivacyReport:
                          "labels only)")
         elif not math.isinf(self.epsilon):
             lines.append("- not protected: the number of users and the sampling rate, which are treated as public")
+        prompts = self.extra.get("prompts_report")
+        if prompts is not None:
+            lines.append(f"- the policy's own training on the users' prompts: ε = {float(prompts['epsilon']):.4g}, "
+                         f"δ = {prompts['delta']:g}, composed with the reports below (ε and δ add up)")
         if "reward_model_reports" in self.extra and not math.isinf(self.epsilon):
             lines.append("- a policy trained by online RL against private reward model(s) (and from a private starting "
                          "model, if any): post-processing of their guarantees, composed; each is listed in the report")

@@ -23,6 +23,8 @@ from opacus.grad_sample import GradSampleHooks
 from opacus.utils.module_utils import trainable_modules, trainable_parameters
 from torch import nn
 
+from . import embedding  # noqa: F401  (registers the samplers that honour padding_idx)
+
 
 class UserGradSampleHooks(GradSampleHooks):
     """Opacus hooks that keep per-unit gradient sums.

@@ -1,4 +1,4 @@
-"""``trl-userdp rl``: online RL (GRPO, :class:`~trl_userdp.trainers.UserDPGRPOTrainer`) against a private reward
+"""``trl-userdp rl``: online RL (GRPO, :class:`~trl_userdp.trainers.PublicPromptGRPOTrainer`) against a private reward
 model, as TRL's ``trl/scripts/grpo.py``. Post-processing: the policy carries the reward model's (and a private
 policy's) ε, no new one.
 
@@ -188,7 +188,7 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, r
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from ..trainers import UserDPGRPOTrainer
+    from ..trainers import PublicPromptGRPOTrainer
 
     if script_args.dataset_name is None:
         from ..experiments.imdb import load_imdb_reviews  # lazy: the experiments load datasets
@@ -221,7 +221,7 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, r
                          "--use_peft.")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     _cap_completion_length(training_args, policy_config, tokenizer, prompts)
-    trainer = UserDPGRPOTrainer(model=policy, reward_funcs=reward_model, args=training_args, train_dataset=prompts,
+    trainer = PublicPromptGRPOTrainer(model=policy, reward_funcs=reward_model, args=training_args, train_dataset=prompts,
                                 processing_class=tokenizer, reward_processing_classes=reward_tokenizer,
                                 peft_config=peft_config)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -10,14 +10,17 @@ import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
 
-def unfuse_lm_head(model: torch.nn.Module) -> None:
+def unfuse_lm_head(model: torch.nn.Module, temperature: float = 1.0) -> None:
     """Replace TRL 1.16's fused LM head (which calls ``lm_head.weight`` outside the module, so per-sample
     gradients of the head are missing, or silently wrong for tied embeddings) by the model's own
     forward: the logits go through ``lm_head`` as a module and the per-token fields are computed from
-    them. Same outputs as the fused head at temperature 1, at the memory cost of full logits.
+    them, from the logits divided by ``temperature`` as TRL's head does. Same outputs as the fused head, at the memory
+    cost of full logits, except that the positions of a row count its own tokens (from the attention mask, as in
+    generation): with left padding (GRPO's prompts) a row's output then does not depend on the other rows' lengths.
 
     Args:
         model: the causal LM, patched in place.
+        temperature: the temperature TRL's fused head was added with (GRPO's sampling temperature).
     """
     own_forward = type(model).forward
 
@@ -28,7 +31,14 @@ def unfuse_lm_head(model: torch.nn.Module) -> None:
                     kwargs[name] = value
             return own_forward(self, *args, **kwargs)
         kwargs["use_cache"] = False
+        mask = kwargs.get("attention_mask")
+        if mask is not None and kwargs.get("position_ids") is None:
+            # each row's positions count its own tokens, as in generation: a row's output must not depend on how
+            # much padding other rows (other users) put in front of it (absolute position embeddings)
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
         logits = own_forward(self, *args, **kwargs).logits
+        if temperature != 1.0:
+            logits = logits / temperature
         if shift_labels is None:
             logits, labels = logits[:, :-1], labels[:, 1:]
         else:

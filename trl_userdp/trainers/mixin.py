@@ -195,6 +195,28 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         raise ValueError(f"privacy_mechanism='randomized_response' has no de-biased loss for {type(self).__name__}; "
                          f"use a gradient mechanism {mechanism_names('gradient')}.")
 
+    #: the temperature TRL's fused LM head divides the logits by (GRPO's sampling temperature; 1 for the others)
+    lm_head_temperature: float = 1.0
+
+    def default_users_per_batch(self) -> float:
+        """ñ when ``users_per_batch`` is unset: TRL's global batch, ``per_device_train_batch_size ×
+        gradient_accumulation_steps × processes`` (each process gets about ``per_device_train_batch_size`` users per
+        micro-batch).
+
+        Returns:
+            The expected number of users per optimizer step, over all processes.
+        """
+        args = self.args
+        return float(args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes)
+
+    def user_level_collator(self):
+        """The collate function of the user-level loader; it must return a mapping (the row users are added to it).
+
+        Returns:
+            The trainer's ``data_collator`` by default.
+        """
+        return self.data_collator
+
     # -- set-up ---------------------------------------------------------------------------------
     def _prepare_train_dataset(self, train_dataset, args):
         """Before the TRL trainer's ``__init__`` (which tokenizes the dataset): refuse datasets user-level sampling
@@ -217,7 +239,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
                 )
             policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             if "forward" in vars(policy):  # TRL patched the instance's forward (its fused LM head)
-                unfuse_lm_head(policy)
+                unfuse_lm_head(policy, temperature=self.lm_head_temperature)
             resolve_user_ids(self.train_dataset, user_column=self.args.user_column)  # fail now, not at step 1
             get_mechanism(self.args.privacy_mechanism).check_world_size(self.accelerator.num_processes)
             if getattr(self, "is_deepspeed_enabled", False):
@@ -280,14 +302,11 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
         self.model.train()  # from_pretrained leaves models in eval mode; the Trainer switches later
         if self.optimizer is None:
             self.create_optimizer()
-        # the global ñ: TRL's global batch (each process gets about per_device_train_batch_size users per micro-batch)
-        users_per_batch = (float(args.per_device_train_batch_size * args.gradient_accumulation_steps
-                                 * self.accelerator.num_processes)
-                           if args.users_per_batch is None else args.users_per_batch)
+        users_per_batch = self.default_users_per_batch() if args.users_per_batch is None else args.users_per_batch
         common = dict(
             module=self.model,
             optimizer=self.optimizer,
-            data_loader=DataLoader(self.train_dataset, collate_fn=self.data_collator,
+            data_loader=DataLoader(self.train_dataset, collate_fn=self.user_level_collator(),
                                    num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory),
             target_epsilon=args.target_epsilon,
             target_delta=args.target_delta,
@@ -365,7 +384,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             # run: no forward pass; the optimizer's own guard skips the step
             inputs.pop(USER_KEY, None)
             return torch.zeros((), device=self.args.device)
-        if self._dp_active and inputs["input_ids"].shape[0] == 0:
+        if self._dp_active and len(inputs[USER_KEY]) == 0:
             # A step with no sampled user: no forward pass (models fail on zero rows); the optimizer still
             # takes its noise-only step, and the accountant counts it.
             inputs.pop(USER_KEY, None)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 from trl import GRPOTrainer, RLOOTrainer
 
 from ..accountants import REPORT_FILENAME, PrivacyReport
@@ -42,8 +43,87 @@ def find_privacy_report(reward: Any) -> Optional[PrivacyReport]:
     return None
 
 
-class UserDPOnlineMixin(PrivacyModelCardMixin):
-    """Shared by :class:`UserDPRLOOTrainer` and :class:`UserDPGRPOTrainer`: TRL's arguments, plus three keywords,
+def is_trl_rule(func: Any) -> bool:
+    """Whether a reward is one of TRL's rule-based rewards (``trl.rewards``: format, length, accuracy against the
+    example's own solution), which were trained on nothing.
+
+    Args:
+        func: a reward model or function.
+
+    Returns:
+        True for a plain function defined in ``trl.rewards``.
+    """
+    return callable(func) and not isinstance(func, torch.nn.Module) and (
+        getattr(func, "__module__", None) or "").startswith("trl.rewards.")
+
+
+def inherited_privacy_reports(reward_funcs: Any, policy: Any, *, reward_model_is_public: bool,
+                              allow_non_private_reward: bool) -> Tuple[Optional[PrivacyReport], List[PrivacyReport]]:
+    """The privacy reports an online-RL policy inherits: its starting weights' and its reward models'.
+
+    Args:
+        reward_funcs: the reward model(s) or function(s), as TRL's; TRL's own rules (:func:`is_trl_rule`) are public.
+        policy: the starting policy (a model or a folder); a report it carries (e.g. a private DPO model) is inherited.
+        reward_model_is_public: declare the rewards *without a report* public (a rule, or a model trained on public
+            data); a report is inherited whatever the flag.
+        allow_non_private_reward: accept a reward whose report says it was trained on the users without privacy
+            (ε = ∞) and inherit that ε = ∞ (a non-private baseline).
+
+    Returns:
+        ``(the policy's report or None, the reward models' reports)``.
+
+    Raises:
+        ValueError: a reward without a report that is not declared public, a non-private reward without
+            ``allow_non_private_reward``, or reports under different neighbouring relations.
+    """
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    rewards: List[PrivacyReport] = []
+    policy_report = find_privacy_report(policy) if policy is not None else None
+    for func in funcs:
+        report = find_privacy_report(func)
+        name = func if isinstance(func, str) else getattr(func, "__name__", type(func).__name__)
+        if report is None:
+            if not (reward_model_is_public or is_trl_rule(func)):
+                raise ValueError(
+                    f"Reward {name!r} has no privacy report: train it with UserDPRewardTrainer (which attaches one "
+                    "and saves privacy_report.json), or pass reward_model_is_public=True if it saw no private data."
+                )
+            continue
+        if math.isinf(report.epsilon) and not allow_non_private_reward:
+            raise ValueError(
+                f"Reward {name!r} was trained on the users without privacy (mechanism {report.mechanism!r}, ε = ∞), "
+                "so it is not public: pass allow_non_private_reward=True to train a non-private baseline (the policy "
+                "then reports ε = ∞)."
+            )
+        rewards.append(report)
+    relations = {r.neighboring_relation for r in ([policy_report] if policy_report else []) + rewards}
+    if len(relations) > 1:
+        raise ValueError(f"The policy and reward models' reports hold under different neighbouring relations "
+                         f"{sorted(relations)}; their ε cannot be added. Train them under one relation.")
+    return policy_report, rewards
+
+
+def inherited_extra(policy_report: Optional[PrivacyReport], reward_reports: List[PrivacyReport]) -> Dict[str, Any]:
+    """The ``extra`` entries of a report that composes inherited reports: each of them, and whether a text is left
+    unprotected by one of them (randomized response protects labels only).
+
+    Args:
+        policy_report: the starting policy's report, if any.
+        reward_reports: the reward models' reports.
+
+    Returns:
+        ``reward_model_reports``, ``initial_policy_report`` (if any) and ``protects`` (if labels only).
+    """
+    extra: Dict[str, Any] = {"reward_model_reports": [r.to_dict() for r in reward_reports]}
+    if policy_report is not None:
+        extra["initial_policy_report"] = policy_report.to_dict()
+    if any(r.extra.get("protects") == "labels only" for r in ([policy_report] if policy_report else []) + reward_reports):
+        extra["protects"] = "labels only"
+    return extra
+
+
+class PublicPromptOnlineMixin(PrivacyModelCardMixin):
+    """Shared by :class:`PublicPromptRLOOTrainer` and :class:`PublicPromptGRPOTrainer`: TRL's arguments, plus three keywords,
     checked before TRL's ``__init__`` (see :meth:`_check_private_inputs`).
 
     Args:
@@ -76,35 +156,11 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
     def _check_private_inputs(self, reward_funcs, train_dataset, eval_dataset, reward_model_is_public: bool,
                               public_columns=("prompt",), allow_non_private_reward: bool = False,
                               policy: Any = None) -> None:
-        """``reward_model_is_public`` declares the rewards *without a report* public (a rule, or a model trained on
-        public data); a report is carried over whatever the flag. ``allow_non_private_reward`` accepts a reward whose
-        report says it was trained on the users without privacy (ε = ∞) and carries that ε = ∞ to the policy (a
-        non-private baseline); without it such a reward is refused. A starting ``policy`` with a report (e.g. a private
-        DPO model) is composed in too. All reports must share one neighbouring relation."""
-        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-        self.reward_privacy_reports: List[PrivacyReport] = []
-        self.policy_privacy_report = find_privacy_report(policy) if policy is not None else None
-        for func in funcs:
-            report = find_privacy_report(func)
-            name = func if isinstance(func, str) else getattr(func, "__name__", type(func).__name__)
-            if report is None:
-                if not reward_model_is_public:
-                    raise ValueError(
-                        f"Reward {name!r} has no privacy report: train it with UserDPRewardTrainer (which attaches one "
-                        "and saves privacy_report.json), or pass reward_model_is_public=True if it saw no private data."
-                    )
-                continue
-            if math.isinf(report.epsilon) and not allow_non_private_reward:
-                raise ValueError(
-                    f"Reward {name!r} was trained on the users without privacy (mechanism {report.mechanism!r}, ε = ∞), "
-                    "so it is not public: pass allow_non_private_reward=True to train a non-private baseline (the policy "
-                    "then reports ε = ∞)."
-                )
-            self.reward_privacy_reports.append(report)
-        relations = {r.neighboring_relation for r in self._inherited_reports()}
-        if len(relations) > 1:
-            raise ValueError(f"The policy and reward models' reports hold under different neighbouring relations "
-                             f"{sorted(relations)}; their ε cannot be added. Train them under one relation.")
+        """The reward and starting-policy reports (:func:`inherited_privacy_reports`), and no dataset column outside
+        ``public_columns``."""
+        self.policy_privacy_report, self.reward_privacy_reports = inherited_privacy_reports(
+            reward_funcs, policy, reward_model_is_public=reward_model_is_public,
+            allow_non_private_reward=allow_non_private_reward)
         datasets = {"train_dataset": train_dataset}
         if isinstance(eval_dataset, dict):
             datasets.update({f"eval_dataset[{k!r}]": v for k, v in eval_dataset.items()})
@@ -136,18 +192,14 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
                                  sample_rate=None, noise_multiplier=None, steps=None, steps_taken=self.state.global_step,
                                  accountant="none", epsilon=0.0, delta=0.0)
         first = reports[0]
-        extra = {"reward_model_reports": [r.to_dict() for r in self.reward_privacy_reports],
-                 "online_trainer": type(self).__name__}
-        if self.policy_privacy_report is not None:
-            extra["initial_policy_report"] = self.policy_privacy_report.to_dict()
-        if any(r.extra.get("protects") == "labels only" for r in reports):
-            extra["protects"] = "labels only"
         return PrivacyReport(
             mechanism="post-processing", n_users=first.n_users, max_samples_per_user=first.max_samples_per_user,
             sample_rate=None, noise_multiplier=None, steps=None, steps_taken=self.state.global_step,
             accountant="basic composition of the inherited reports",
             epsilon=sum(r.epsilon for r in reports), delta=sum(r.delta for r in reports),
-            neighboring_relation=first.neighboring_relation, privacy_unit=first.privacy_unit, extra=extra,
+            neighboring_relation=first.neighboring_relation, privacy_unit=first.privacy_unit,
+            extra={**inherited_extra(self.policy_privacy_report, self.reward_privacy_reports),
+                   "online_trainer": type(self).__name__},
         )
 
     def card_privacy_report(self) -> PrivacyReport:
@@ -171,11 +223,11 @@ class UserDPOnlineMixin(PrivacyModelCardMixin):
         self.accelerator.wait_for_everyone()
 
 
-class UserDPRLOOTrainer(UserDPOnlineMixin, RLOOTrainer):
+class PublicPromptRLOOTrainer(PublicPromptOnlineMixin, RLOOTrainer):
     """``trl.RLOOTrainer`` whose reward model(s) must be user-level private (or declared public); the extra keywords
-    are :class:`UserDPOnlineMixin`'s."""
+    are :class:`PublicPromptOnlineMixin`'s."""
 
 
-class UserDPGRPOTrainer(UserDPOnlineMixin, GRPOTrainer):
+class PublicPromptGRPOTrainer(PublicPromptOnlineMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` whose reward model(s) must be user-level private (or declared public); the extra keywords
-    are :class:`UserDPOnlineMixin`'s."""
+    are :class:`PublicPromptOnlineMixin`'s."""

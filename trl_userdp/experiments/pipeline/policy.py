@@ -1,5 +1,5 @@
 """The policy: a small causal LM fitted with TRL's ``SFTTrainer`` on the snippets, then GRPO against each reward
-model through :class:`~trl_userdp.trainers.UserDPGRPOTrainer`, which carries the reward model's privacy report."""
+model through :class:`~trl_userdp.trainers.PublicPromptGRPOTrainer`, which carries the reward model's privacy report."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, da
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
-    from ...trainers import UserDPGRPOTrainer
+    from ...trainers import PublicPromptGRPOTrainer
 
     name = f"{reward.mechanism}" + ("" if reward.epsilon is None else f"_eps{reward.epsilon:g}")
     out_dir = os.path.join(args.output_dir, "policies", name)
@@ -131,7 +131,7 @@ def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, da
                         beta=args.kl_beta, learning_rate=args.rl_learning_rate,
                         temperature=1.0, report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
                         save_strategy="no", logging_strategy="no", seed=args.rl_training_seed, disable_tqdm=True)
-    trainer = UserDPGRPOTrainer(model=sft_path, reward_funcs=reward_fn, args=config,
+    trainer = PublicPromptGRPOTrainer(model=sft_path, reward_funcs=reward_fn, args=config,
                                 train_dataset=Dataset.from_dict({"prompt": data.train_prompts}), processing_class=tokenizer,
                                 allow_non_private_reward=True, callbacks=[Evaluate()])
     trainer.train()

@@ -13,7 +13,7 @@ IMDb data, on a CPU: :func:`run_pipeline` runs the stages in order.
    pairs by :class:`~trl_userdp.trainers.UserDPRewardTrainer`, once per privacy mechanism and ε
    (:mod:`.embedding_reward`).
 4. **Online RL** (:mod:`.policy`) — GRPO (TRL's online trainer; the paper's PPO is gone from TRL ≥ 1.13) with a KL
-   penalty against the SFT model, through :class:`~trl_userdp.trainers.UserDPGRPOTrainer`, so every
+   penalty against the SFT model, through :class:`~trl_userdp.trainers.PublicPromptGRPOTrainer`, so every
    policy carries its reward model's privacy report.
 5. **Evaluation** (:mod:`.evaluation`, :mod:`.report`) — gold reward, KL(π ‖ π_SFT) and the share of completions
    ending with EOS, from ``eval_samples`` completions of each of ``eval_prompts`` held-out prompts, every

@@ -1,0 +1,323 @@
+"""GRPO on the users' own prompts with user-level DP (issue 30): one step equals an independent per-user autograd
+computation of the GRPO loss, an adversarial user moves the update by at most C/ñ, the noise is the accountant's, ε is
+dp-accounting's and composes with a private reward model's, and what couples users is refused before training."""
+
+import copy
+import math
+from typing import Dict, List
+
+import dp_accounting as dpa
+import pytest
+import torch
+from datasets import Dataset
+from dp_accounting import pld
+from scipy import stats
+
+from trl_userdp import PrivacyReport
+from trl_userdp.trainers import UserDPGRPOConfig, UserDPGRPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
+from trl_userdp.trainers.mixin import USER_KEY
+
+from ..tiny_models import tiny_llama_lm, tiny_tokenizer
+from .scripts import reward_script
+
+G = 4  # completions per prompt
+BASE = dict(num_generations=G, max_completion_length=5, max_steps=1, use_cpu=True, bf16=False, report_to=[],
+            save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0, privacy_seed=0, optim="sgd",
+            learning_rate=1.0, per_device_train_batch_size=8)
+
+
+def _prompts(users: Dict[str, List[str]]) -> Dataset:
+    rows = [(u, p) for u, prompts in users.items() for p in prompts]
+    return Dataset.from_dict({"prompt": [p for _, p in rows], "user_id": [u for u, _ in rows]})
+
+
+def id_reward(completion_ids, **kwargs):
+    """A public rule of the completion's tokens (spreads rewards within a group)."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def _trainer(tmp_path, dataset, reward=id_reward, **config):
+    """The trainer on the tiny Llama (saved to a folder when β > 0: TRL loads its reference copy from there)."""
+    tokenizer = tiny_tokenizer()
+    args = UserDPGRPOConfig(output_dir=str(tmp_path), **{**BASE, **config})
+    policy = tiny_llama_lm(len(tokenizer))
+    if args.beta != 0.0:
+        policy.save_pretrained(tmp_path / "initial")
+        policy = str(tmp_path / "initial")
+    return UserDPGRPOTrainer(model=policy, reward_funcs=reward, args=args,
+                             train_dataset=dataset, processing_class=tokenizer, reward_model_is_public=True)
+
+
+def _record_batches(trainer) -> List[dict]:
+    """The private batches the loss sees (after generation and scoring), in order."""
+    batches, prepare = [], trainer._prepare_inputs
+
+    def recording(generation_batch):
+        inputs = prepare(generation_batch)
+        if trainer.model.training:
+            batches.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in inputs.items()})
+        return inputs
+
+    trainer._prepare_inputs = recording
+    return batches
+
+
+def _params(model) -> Dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _row_tokens(batch, i):
+    """Row ``i``'s prompt and completion tokens without padding."""
+    prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+    completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
+    return prompt, completion
+
+
+def _completion_logps(model, prompt, completion):
+    """log π(completion | prompt) per token, from one unpadded row through the model's own forward."""
+    ids = torch.cat([prompt, completion]).unsqueeze(0)
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+    return logits.float().log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+
+
+def _independent_update(batches, beta, users_per_batch, lr):
+    """−lr · Σ_u ∇ℓ_u / ñ, ℓ_u the mean over user u's completions of GRPO's per-completion loss (on-policy: the token
+    loss is −A·π/π.detach() + β·KL(π‖π_ref), averaged over the completion's tokens), each user's gradient by its own
+    autograd pass through a fresh copy of the initial policy; advantages recomputed from the reward rule, per prompt
+    group. Also returns the advantages for comparison with the trainer's."""
+    tokenizer = tiny_tokenizer()
+    policy = tiny_llama_lm(len(tokenizer))
+    reference = copy.deepcopy(policy)
+    rows = []  # (user, prompt, completion, advantage)
+    advantages = []
+    for batch in batches:
+        n = batch["prompt_ids"].shape[0]
+        tokens = [_row_tokens(batch, i) for i in range(n)]
+        rewards = torch.tensor(id_reward([c.tolist() for _, c in tokens]))
+        grouped = rewards.view(-1, G)
+        adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+        advantages.append(adv)
+        rows += [(int(batch[USER_KEY][i]), *tokens[i], adv[i]) for i in range(n)]
+    total = {n: torch.zeros_like(p) for n, p in policy.named_parameters()}
+    for user in sorted({r[0] for r in rows}):
+        losses = []
+        for _, prompt, completion, a in (r for r in rows if r[0] == user):
+            logp = _completion_logps(policy, prompt, completion)
+            with torch.no_grad():
+                ref = _completion_logps(reference, prompt, completion)
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            losses.append((-a * torch.exp(logp - logp.detach()) + beta * kl).mean())
+        grads = torch.autograd.grad(torch.stack(losses).mean(), list(policy.parameters()), allow_unused=True)
+        for (name, _), g in zip(policy.named_parameters(), grads):
+            if g is not None:
+                total[name] += g
+    return {n: -lr * g / users_per_batch for n, g in total.items()}, advantages
+
+
+@pytest.mark.parametrize("accumulation,mode", [(1, "hooks"), (2, "hooks"), (1, "ghost")])
+def test_one_step_equals_a_per_user_autograd_computation(tmp_path, accumulation, mode):
+    """σ = 0, a clip no user reaches, every user drawn (q = 1): the update is −lr·Σ_u ḡ_u/ñ exactly, ḡ_u user u's
+    averaged GRPO gradient (users with 1 and with 3 prompts, G = 4, a KL penalty, prompts of different lengths so rows
+    are padded)."""
+    dataset = _prompts({"solo": ["the movie was"], "busy": ["i loved the acting and", "the plot", "great"]})
+    trainer = _trainer(tmp_path, dataset, noise_multiplier=0.0, target_epsilon=None, per_user_max_grad_norm=1e6,
+                       users_per_batch=2.0, max_samples_per_user=3, beta=0.1, gradient_accumulation_steps=accumulation,
+                       grad_sample_mode=mode)
+    batches = _record_batches(trainer)
+    before = _params(trainer.model)
+    trainer.train()
+    assert trainer.privacy_engine.accountant.steps_taken == 1 and trainer.privacy_engine.data_loader.sample_rate == 1.0
+    rows_per_user = torch.cat([b[USER_KEY] for b in batches]).bincount().tolist()
+    assert sorted(rows_per_user) == [G, 3 * G]  # every prompt of both users, G completions each
+    expected, advantages = _independent_update(batches, beta=0.1, users_per_batch=2.0, lr=1.0)
+    for batch, adv in zip(batches, advantages):
+        torch.testing.assert_close(batch["advantages"], adv, atol=1e-5, rtol=1e-5)
+    after = _params(trainer.model)
+    moved = 0.0
+    for name, value in before.items():
+        torch.testing.assert_close(after[name] - value, expected[name], atol=2e-6, rtol=1e-4, msg=name)
+        moved += float(expected[name].norm() ** 2)
+    assert moved > 1e-6  # the step is not trivially zero
+
+
+class FixedCompletions:
+    """Stands in for sampling so that a step is deterministic and each user's completions do not depend on who else
+    was drawn: completion k of a prompt is a fixed function of the prompt's tokens and k; the ``long_prefix`` prompt's
+    run to ``max_completion_length`` without an EOS."""
+
+    def __init__(self, trainer, long_prefix: str, vocab: int):
+        self.trainer, self.vocab = trainer, vocab
+        self.long = trainer.processing_class(text=long_prefix)["input_ids"]
+
+    def __call__(self, prompt_ids, images, multimodal_fields, num_generations):
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            k, seed = i % num_generations, sum(ids)
+            if ids[:len(self.long)] == self.long:
+                out.append([3 + (seed + 5 * k + j) % (self.vocab - 3) for j in range(self.trainer.max_completion_length)])
+            else:
+                out.append([3 + (seed + 11 * k + j) % (self.vocab - 3) for j in range(1 + k)] + [2])  # ends with EOS
+        return out, None
+
+
+def adversarial_reward(kind):
+    def reward(prompts, completion_ids, **kwargs):
+        out = []
+        for prompt, ids in zip(prompts, completion_ids):
+            if not prompt.startswith("zz"):
+                out.append(float(sum(ids) % 7))
+            elif kind == "huge":
+                out.append(1e6 * (sum(ids) % 7))
+            elif kind == "nan":
+                out.append(float("nan") if sum(ids) % 7 < 3 else 1e6 * (sum(ids) % 7))
+            else:  # "inf"
+                out.append(float("inf") if sum(ids) % 7 < 3 else -1e38)
+        return out
+    return reward
+
+
+HONEST = {"a": ["the movie was"], "b": ["i loved the acting", "the plot"]}
+ADVERSARY = {"z": ["zz the movie was", "zz great", "zz i hated the plot and"]}
+
+
+def _clipped_sum(tmp_path, users, reward, clip, scale_rewards):
+    """Σ_u clip(ḡ_u) for one deterministic step with every user drawn, read off the SGD update as (θ₀ − θ₁)·ñ/lr."""
+    trainer = _trainer(tmp_path, _prompts(users), reward=reward, noise_multiplier=0.0, target_epsilon=None,
+                       per_user_max_grad_norm=clip, users_per_batch=float(len(users)), max_samples_per_user=3,
+                       max_completion_length=24, scale_rewards=scale_rewards, beta=0.0)
+    trainer._generate_single_turn = FixedCompletions(trainer, "zz", len(trainer.processing_class))
+    before = _params(trainer.model)
+    trainer.train()
+    after = _params(trainer.model)
+    return torch.cat([(before[n] - after[n]).flatten() for n in before]) * len(users)
+
+
+@pytest.mark.parametrize("kind", ["huge", "nan", "inf"])
+@pytest.mark.parametrize("scale_rewards", ["none", "group"])
+def test_an_adversarial_user_moves_the_update_by_at_most_c_over_n(tmp_path, kind, scale_rewards):
+    """Huge, NaN or infinite rewards, and 24-token completions without an EOS (the others have 2 to 5 tokens): the clipped sums with and without
+    the adversary differ by at most C in norm, so the update by at most C/ñ. Without clipping (C = 1e9) the same
+    adversary's huge rewards move it by far more, so the test can fail."""
+    clip = 0.05
+    reward = adversarial_reward(kind)
+    with_adversary = _clipped_sum(tmp_path / "with", {**HONEST, **ADVERSARY}, reward, clip, scale_rewards)
+    without = _clipped_sum(tmp_path / "without", HONEST, reward, clip, scale_rewards)
+    influence = float((with_adversary - without).norm())
+    assert influence <= clip * (1 + 1e-4), influence
+    assert float(without.norm()) > 0  # the honest users moved the model
+    if kind == "huge" and scale_rewards == "none":
+        unclipped = _clipped_sum(tmp_path / "unclipped", {**HONEST, **ADVERSARY}, reward, 1e9, scale_rewards)
+        honest = _clipped_sum(tmp_path / "honest", HONEST, reward, 1e9, scale_rewards)
+        assert not torch.isfinite(unclipped).all() or float((unclipped - honest).norm()) > 100 * clip
+
+
+def test_the_update_is_the_accountants_noise(tmp_path):
+    """One step at σ = 10: the update is N(0, (σC/ñ)²) per coordinate (the clipped sum, ≤ 2C in norm, is negligible)."""
+    sigma, clip, n_tilde = 10.0, 1.0, 2.0
+    trainer = _trainer(tmp_path, _prompts(HONEST), noise_multiplier=sigma, target_epsilon=None,
+                       per_user_max_grad_norm=clip, users_per_batch=n_tilde)
+    before = _params(trainer.model)
+    trainer.train()
+    after = _params(trainer.model)
+    update = torch.cat([(after[n] - before[n]).flatten() for n in before]).double()
+    n = update.numel()
+    stat = (n - 1) * float(update.var()) / (sigma * clip / n_tilde) ** 2
+    lo, hi = stats.chi2.interval(0.999, n - 1)
+    assert lo <= stat <= hi
+
+
+def test_epsilon_is_dp_accountings_and_the_saved_report_says_what_was_spent(tmp_path):
+    trainer = _trainer(tmp_path, _prompts({**HONEST, "c": ["great"], "d": ["bad and"]}), max_steps=3,
+                       users_per_batch=2.0, target_epsilon=3.0, accountant="pld")
+    trainer.train()
+    trainer.save_model()
+    report = PrivacyReport.load(str(tmp_path))
+    assert report.mechanism == "user_dpsgd" and report.steps_taken == 3 and report.n_users == 4
+    q, sigma = report.sample_rate, report.noise_multiplier
+    assert q == pytest.approx(0.5)
+    independent = pld.PLDAccountant().compose(
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), 3)).get_epsilon(1e-5)
+    assert report.epsilon == pytest.approx(independent, rel=1e-9) and report.epsilon <= 3.0
+    logged = [h for h in trainer.state.log_history if "epsilon" in h]
+    assert logged and logged[-1]["epsilon"] == pytest.approx(report.epsilon)
+    assert not any(k.startswith(("reward", "completions", "kl", "entropy")) for h in logged for k in h)
+    assert trainer.state.num_input_tokens_seen == 0  # TRL's count of the private prompts' tokens is not saved
+
+
+@pytest.fixture(scope="module")
+def private_reward(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm")
+    trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(out), steps=2, accountant="rdp")
+    return trainer.model, str(out)
+
+
+def test_the_report_composes_the_prompts_and_the_reward_models_epsilon(tmp_path, private_reward):
+    reward_model, reward_dir = private_reward
+    tokenizer = tiny_tokenizer()
+    args = UserDPGRPOConfig(output_dir=str(tmp_path), **{**BASE, "max_steps": 2, "accountant": "rdp",
+                                                         "users_per_batch": 1.0})
+    trainer = UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=reward_model, args=args,
+                                train_dataset=_prompts(HONEST), processing_class=tokenizer,
+                                reward_processing_classes=tokenizer)
+    trainer.train()
+    trainer.save_model()
+    report, reward = PrivacyReport.load(str(tmp_path)), PrivacyReport.load(reward_dir)
+    own = trainer.privacy_engine.get_epsilon(1e-5)
+    assert report.epsilon == pytest.approx(own + reward.epsilon) and report.delta == pytest.approx(1e-5 + reward.delta)
+    assert report.extra["prompts_report"]["epsilon"] == pytest.approx(own)
+    assert report.extra["reward_model_reports"][0]["epsilon"] == pytest.approx(reward.epsilon)
+    card = (tmp_path / "README.md").read_text()
+    assert f"(ε = {report.epsilon:.4g}, δ = {report.delta:g})" in card and "composed" in card
+    assert trainer.state.log_history[-1]["epsilon"] == pytest.approx(report.epsilon)
+
+
+def test_a_reward_model_without_a_report_is_refused(tmp_path):
+    tokenizer = tiny_tokenizer()
+    with pytest.raises(ValueError, match="no privacy report"):
+        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=tiny_llama_lm(len(tokenizer)),
+                          args=UserDPGRPOConfig(output_dir=str(tmp_path), **BASE), train_dataset=_prompts(HONEST),
+                          processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("setting,match", [
+    (dict(num_iterations=2), "num_iterations=2"),
+    (dict(steps_per_generation=2), "steps_per_generation=2"),
+    (dict(scale_rewards="batch"), "scale_rewards='batch'"),
+    (dict(multi_objective_aggregation="normalize_then_sum"), "normalize_then_sum"),
+    (dict(loss_type="dapo"), "loss_type='dapo'"),
+    (dict(loss_type="bnpo"), "loss_type='bnpo'"),
+    (dict(entropy_coef=0.01), "entropy bonus"),
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+    (dict(log_completions=True), "log_completions"),
+    (dict(cast_lm_head_to_fp32=True), "cast_lm_head_to_fp32"),
+    (dict(privacy_mechanism="randomized_response"), "no de-biased loss"),
+])
+def test_what_couples_users_or_reuses_a_draw_is_refused_before_training(tmp_path, setting, match):
+    with pytest.raises(ValueError, match=match):
+        _trainer(tmp_path, _prompts(HONEST), **setting)
+
+
+def test_tools_are_refused_and_the_defaults_are_per_completion(tmp_path):
+    def lookup(word: str) -> str:
+        """Look a word up.
+
+        Args:
+            word: the word.
+        """
+        return word
+
+    with pytest.raises(ValueError, match="Tools, environment_factory and rollout_func"):
+        tokenizer = tiny_tokenizer()
+        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=id_reward, tools=[lookup],
+                          args=UserDPGRPOConfig(output_dir=str(tmp_path), **BASE), train_dataset=_prompts(HONEST),
+                          processing_class=tokenizer, reward_model_is_public=True)
+    args = UserDPGRPOConfig(output_dir=str(tmp_path), **BASE)
+    assert args.loss_type == "grpo"
+
+
+def test_without_privacy_it_is_trls_grpo(tmp_path):
+    """privacy_mechanism='none' (the non-private baseline): TRL's own loader, buffering and loss, ε = ∞."""
+    trainer = _trainer(tmp_path, _prompts(HONEST), privacy_mechanism="none", loss_type="dapo", max_steps=2)
+    trainer.train()
+    assert trainer.privacy_engine is None and trainer.current_epsilon() == math.inf
+    assert trainer.state.global_step == 2

@@ -1,0 +1,24 @@
+"""``UserDPGRPOConfig``: TRL's ``GRPOConfig`` plus the user-level privacy fields."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trl import GRPOConfig
+
+from .privacy_config import UserDPArguments
+
+
+@dataclasses.dataclass
+class UserDPGRPOConfig(UserDPArguments, GRPOConfig):
+    """``GRPOConfig`` with the fields of :class:`UserDPArguments` (docs/trainers.md, "GRPO on the users' own prompts").
+    The privacy unit is the user who wrote the prompts; ``max_samples_per_user`` bounds their prompts, each answered by
+    ``num_generations`` completions. ``loss_type`` defaults to ``"grpo"`` (each completion's loss is its own token mean):
+    TRL's default ``"dapo"`` divides by the batch's token count, so one user's completion lengths would weigh every
+    other user's gradient."""
+
+    loss_type: str = dataclasses.field(
+        default="grpo",
+        metadata={"help": "GRPO's loss aggregation; under user-level DP one of 'grpo', 'dr_grpo', 'sapo' or 'luspo' "
+                          "(per-completion normalisation)."},
+    )
