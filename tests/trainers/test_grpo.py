@@ -195,8 +195,8 @@ def _clipped_sum(tmp_path, users, reward, clip, scale_rewards):
 @pytest.mark.parametrize("kind", ["huge", "nan", "inf"])
 @pytest.mark.parametrize("scale_rewards", ["none", "group"])
 def test_an_adversarial_user_moves_the_update_by_at_most_c_over_n(tmp_path, kind, scale_rewards):
-    """Huge, NaN or infinite rewards, and 24-token completions without an EOS (the others have 2 to 5 tokens): the clipped sums with and without
-    the adversary differ by at most C in norm, so the update by at most C/ñ. Without clipping (C = 1e9) the same
+    """Huge, NaN or infinite rewards, and 24-token completions without an EOS (the others have 2 to 5 tokens): the
+    clipped sums with and without the adversary differ by at most C in norm, so the update by at most C/ñ. Without clipping (C = 1e9) the same
     adversary's huge rewards move it by far more, so the test can fail."""
     clip = 0.05
     reward = adversarial_reward(kind)
@@ -321,3 +321,46 @@ def test_without_privacy_it_is_trls_grpo(tmp_path):
     trainer.train()
     assert trainer.privacy_engine is None and trainer.current_epsilon() == math.inf
     assert trainer.state.global_step == 2
+
+
+def test_trls_own_grpo_script_runs_with_the_class_swapped_and_a_user_column(tmp_path):
+    """TRL's ``trl/scripts/grpo.py``, its trainer and config classes swapped for ours (nothing else changed), run as a
+    user runs it: a local model folder, a local prompt dataset with a user column, one of TRL's rule rewards."""
+    import json
+    import subprocess
+    import sys
+
+    import trl.scripts.grpo as trl_script
+
+    source = open(trl_script.__file__).read()
+    swaps = [("from trl import GRPOTrainer, ", "from trl_userdp.trainers import UserDPGRPOTrainer\n    from trl import "),
+             ("trainer = GRPOTrainer(", "trainer = UserDPGRPOTrainer("),
+             ("from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser",
+              "from trl import DatasetMixtureConfig, ModelConfig, TrlParser\n"
+              "    from trl_userdp.trainers import UserDPGRPOConfig as GRPOConfig")]
+    for old, new in swaps:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    script = tmp_path / "grpo.py"
+    script.write_text(source)
+    tokenizer = tiny_tokenizer()
+    model_dir, data_dir = tmp_path / "model", tmp_path / "data"
+    tiny_llama_lm(len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data_dir.mkdir()
+    with open(data_dir / "train.jsonl", "w") as f:
+        for user, prompts in {**HONEST, "c": ["great", "bad and"]}.items():
+            for prompt in prompts:
+                f.write(json.dumps({"prompt": prompt, "user_id": user}) + "\n")
+    out = tmp_path / "out"
+    command = [sys.executable, str(script), "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir),
+               "--reward_funcs", "get_soft_overlong_punishment", "--output_dir", str(out), "--max_steps", "2",
+               "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
+               "--users_per_batch", "2", "--use_cpu", "true", "--bf16", "false", "--report_to", "none",
+               "--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = PrivacyReport.load(str(out))
+    assert report.mechanism == "user_dpsgd" and report.steps_taken == 2 and report.n_users == 3
+    assert report.sample_rate == pytest.approx(2 / 3) and report.epsilon <= 8.0  # the defaults: ε = 8, ñ from the flag
+    assert "Privacy" in (out / "README.md").read_text()
