@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -36,14 +37,20 @@ from trl_userdp.trainers import UserDPGRPOConfig, UserDPGRPOTrainer
 @dataclasses.dataclass
 class RecipeArguments:
     output_dir: str = dataclasses.field(default="runs/grpo_private_prompts", metadata={"help": "Where to write."})
-    n_users: int = dataclasses.field(default=500, metadata={"help": "Simulated users, each with their own prompts."})
-    prompts_per_user: int = dataclasses.field(default=4, metadata={"help": "m: prompts per user (IMDb openings)."})
-    users_per_batch: float = dataclasses.field(default=16.0, metadata={"help": "ñ: expected users per step."})
+    n_users: int = dataclasses.field(default=1000, metadata={"help": "Simulated users, each with their own prompts."})
+    prompts_per_user: int = dataclasses.field(default=2, metadata={"help": "m: prompts per user (IMDb openings)."})
+    users_per_batch: float = dataclasses.field(default=64.0, metadata={"help": "ñ: expected users per step."})
     epsilons: List[float] = dataclasses.field(default_factory=lambda: [3.0, 8.0], metadata={"help": "Target ε."})
-    steps: int = dataclasses.field(default=60, metadata={"help": "GRPO steps of every run."})
-    learning_rate: float = dataclasses.field(default=1e-2, metadata={"help": "AdamW's step, the same for every run."})
-    clip: float = dataclasses.field(default=1.0, metadata={"help": "C: bound on a user's averaged gradient."})
-    lora_r: int = dataclasses.field(default=8, metadata={"help": "LoRA rank (q, k, v, o and the MLP projections)."})
+    steps: int = dataclasses.field(default=40, metadata={"help": "GRPO steps of every run."})
+    learning_rate: float = dataclasses.field(default=2e-2, metadata={"help": "AdamW's step, the same for every run."})
+    clip: float = dataclasses.field(default=0.05, metadata={"help": "C: bound on a user's averaged gradient."})
+    lora_r: int = dataclasses.field(default=8, metadata={"help": "LoRA rank."})
+    lora_targets: List[str] = dataclasses.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata={"help": "The layers LoRA adapts (fewer parameters: less noise in all, less capacity)."})
+    eval_samples: int = dataclasses.field(default=8, metadata={"help": "Completions per held-out prompt."})
+    eval_prompts: int = dataclasses.field(default=256, metadata={"help": "Held-out prompts (the main job's)."})
+    sft_steps: int = dataclasses.field(default=300, metadata={"help": "SFT steps of the starting policy."})
     num_generations: int = dataclasses.field(default=4, metadata={"help": "Completions per prompt (GRPO's group)."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed of data, SFT and training."})
 
@@ -76,7 +83,7 @@ def run(name: str, recipe: RecipeArguments, pipeline: PipelineArguments, sft: st
     reward = lambda completions, prompts, **kw: list(gold([p + c for p, c in zip(prompts, completions)]))  # noqa: E731
     reward.__name__ = "gold"
     lora = LoraConfig(r=recipe.lora_r, lora_alpha=2 * recipe.lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                      target_modules=list(recipe.lora_targets))
     start = time.time()
     trainer = UserDPGRPOTrainer(model=sft, reward_funcs=reward, args=config, train_dataset=dataset,
                                 processing_class=AutoTokenizer.from_pretrained(sft), peft_config=lora,
@@ -97,7 +104,8 @@ def run(name: str, recipe: RecipeArguments, pipeline: PipelineArguments, sft: st
 def main(argv=None) -> Dict[str, object]:
     recipe, = HfArgumentParser(RecipeArguments).parse_args_into_dataclasses(
         args=list(sys.argv[1:] if argv is None else argv))
-    pipeline = PipelineArguments(output_dir=recipe.output_dir, seed=recipe.seed)
+    pipeline = PipelineArguments(output_dir=recipe.output_dir, seed=recipe.seed, eval_samples=recipe.eval_samples,
+                                 eval_prompts=recipe.eval_prompts, sft_steps=recipe.sft_steps)
     data = build_sentiment_data(pipeline)
     sft = build_sft_policy(data, pipeline)
     dataset = user_prompts(data.train_prompts, recipe.n_users, recipe.prompts_per_user, recipe.seed)
@@ -117,8 +125,7 @@ def main(argv=None) -> Dict[str, object]:
         r["gain_over_sft"] = paired(final["per_prompt"], sft_eval["per_prompt"])
         r["vs_non_private"] = paired(final["per_prompt"], baseline)
         g, v = r["gain_over_sft"], r["vs_non_private"]
-        eps = "∞" if r["epsilon"] is None and r["mechanism"] == "none" else (
-            "-" if r["epsilon"] is None else f"{r['epsilon']:.2f}")
+        eps = "∞" if r["epsilon"] is None or math.isinf(r["epsilon"]) else f"{r['epsilon']:.2f}"
         sigma = "-" if r["noise_multiplier"] is None else f"{r['noise_multiplier']:.2f}"
         print(f"{r['name']:<8} {eps:>6} {sigma:>6} {final['gold_reward']:>6.3f} "
               f"{g['mean']:>+8.3f} ± {g['half_width']:.3f} p={g['p']:<7.2g} {v['mean']:>+8.3f} ± {v['half_width']:.3f}"

@@ -52,3 +52,15 @@ def test_tldr_recipe_falls_back_to_local_data_offline(tmp_path, capsys):
     assert "using the local stand-in" in out and "per labeller" in out
     report = PrivacyReport.load(str(tmp_path))
     assert report.n_users == 6 and report.max_samples_per_user == 5
+
+
+def test_the_private_prompts_grpo_recipe_runs_every_arm(tmp_path):
+    results = _load("grpo_private_prompts").main([
+        "--output_dir", str(tmp_path), "--n_users", "8", "--prompts_per_user", "2", "--users_per_batch", "4",
+        "--steps", "1", "--sft_steps", "1", "--eval_prompts", "4", "--eval_samples", "1", "--epsilons", "8"])
+    runs = {r["name"]: r for r in results["runs"]}
+    assert list(runs) == ["none", "sigma0", "eps8"]
+    assert runs["none"]["epsilon"] is None and runs["sigma0"]["noise_multiplier"] == 0.0
+    assert 0 < runs["eps8"]["epsilon"] <= 8.0 and runs["eps8"]["steps"] == 1
+    assert all(set(r["gain_over_sft"]) == {"mean", "half_width", "p"} for r in runs.values())
+    assert (tmp_path / "results.json").is_file() and (tmp_path / "eps8" / "privacy_report.json").is_file()

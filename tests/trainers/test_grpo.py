@@ -364,3 +364,12 @@ def test_trls_own_grpo_script_runs_with_the_class_swapped_and_a_user_column(tmp_
     assert report.mechanism == "user_dpsgd" and report.steps_taken == 2 and report.n_users == 3
     assert report.sample_rate == pytest.approx(2 / 3) and report.epsilon <= 8.0  # the defaults: ε = 8, ñ from the flag
     assert "Privacy" in (out / "README.md").read_text()
+
+
+def test_a_reward_report_under_another_relation_is_refused_before_training(tmp_path, private_reward):
+    reward_model, _ = private_reward
+    tokenizer = tiny_tokenizer()
+    with pytest.raises(ValueError, match="their ε cannot be added"):
+        UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=reward_model,
+                          args=UserDPGRPOConfig(output_dir=str(tmp_path), neighboring_relation="replace", **BASE),
+                          train_dataset=_prompts(HONEST), processing_class=tokenizer)

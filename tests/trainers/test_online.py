@@ -52,10 +52,10 @@ def test_a_reward_model_without_a_report_is_refused_unless_declared_public(tmp_p
     args = GRPOConfig(output_dir=str(tmp_path), **ONLINE)
     with pytest.raises(ValueError, match="no privacy report"):
         PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=unknown, args=args, train_dataset=PROMPTS,
-                          processing_class=tokenizer)
+                                processing_class=tokenizer)
     length_reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
     trainer = PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=length_reward, args=args,
-                                train_dataset=PROMPTS, processing_class=tokenizer, reward_model_is_public=True)
+                                      train_dataset=PROMPTS, processing_class=tokenizer, reward_model_is_public=True)
     assert trainer.carried_privacy_report().epsilon == 0.0
 
 
@@ -64,8 +64,8 @@ def test_preference_labels_never_reach_the_online_trainer(tmp_path, private_rewa
     with_labels = PROMPTS.add_column("chosen", ["x"] * len(PROMPTS))
     with pytest.raises(ValueError, match=r"columns \['chosen'\] besides"):
         PublicPromptRLOOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
-                          args=RLOOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=with_labels,
-                          processing_class=tokenizer)
+                                args=RLOOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=with_labels,
+                                processing_class=tokenizer)
 
 
 def test_a_reward_model_trained_without_privacy_is_not_private(tmp_path):
@@ -77,10 +77,11 @@ def test_a_reward_model_trained_without_privacy_is_not_private(tmp_path):
     for public in (False, True):  # declaring it public does not make it so
         with pytest.raises(ValueError, match="without privacy"):
             PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args,
-                              train_dataset=PROMPTS, processing_class=tokenizer, reward_model_is_public=public)
+                                    train_dataset=PROMPTS, processing_class=tokenizer, reward_model_is_public=public)
     trainer = PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=none.model, args=args,
-                                train_dataset=PROMPTS, processing_class=tokenizer, reward_processing_classes=tokenizer,
-                                allow_non_private_reward=True)
+                                      train_dataset=PROMPTS, processing_class=tokenizer,
+                                      reward_processing_classes=tokenizer,
+                                      allow_non_private_reward=True)
     trainer.train()
     trainer.save_model()
     carried = PrivacyReport.load(str(tmp_path / "policy"))
@@ -95,9 +96,9 @@ def test_declaring_a_rule_public_keeps_the_private_reward_models_report(tmp_path
     tokenizer = tiny_tokenizer()
     length_reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
     trainer = PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=[reward_model, length_reward],
-                                args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
-                                processing_class=tokenizer, reward_processing_classes=[tokenizer, None],
-                                reward_model_is_public=True)
+                                      args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
+                                      processing_class=tokenizer, reward_processing_classes=[tokenizer, None],
+                                      reward_model_is_public=True)
     carried = trainer.carried_privacy_report()
     assert carried.mechanism == "post-processing"
     assert carried.epsilon == pytest.approx(PrivacyReport.load(reward_dir).epsilon) and carried.epsilon > 0
@@ -110,8 +111,8 @@ def test_preference_labels_in_the_eval_dataset_are_refused(tmp_path, private_rew
     eval_dataset = {"heldout": with_labels} if as_dict else with_labels
     with pytest.raises(ValueError, match=r"eval_dataset.* has columns \['chosen'\] besides"):
         PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=private_reward[0],
-                          args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
-                          eval_dataset=eval_dataset, processing_class=tokenizer)
+                                args=GRPOConfig(output_dir=str(tmp_path), **ONLINE), train_dataset=PROMPTS,
+                                eval_dataset=eval_dataset, processing_class=tokenizer)
 
 
 def test_a_randomized_response_reward_leaves_the_texts_unprotected_in_the_policys_statement(tmp_path):
@@ -119,8 +120,9 @@ def test_a_randomized_response_reward_leaves_the_texts_unprotected_in_the_policy
                        privacy_mechanism="randomized_response")
     tokenizer = tiny_tokenizer()
     trainer = PublicPromptGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=rr.model,
-                                args=GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE), train_dataset=PROMPTS,
-                                processing_class=tokenizer, reward_processing_classes=tokenizer)
+                                      args=GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE),
+                                      train_dataset=PROMPTS,
+                                      processing_class=tokenizer, reward_processing_classes=tokenizer)
     carried = trainer.carried_privacy_report()
     assert carried.extra["protects"] == "labels only" and carried.neighboring_relation == "replace"
     assert "prompts and responses (randomized response privatizes the preference labels only)" in carried.to_markdown()
@@ -135,13 +137,14 @@ def test_a_private_starting_policy_is_composed_in_and_relations_must_agree(tmp_p
     policy = tiny_llama_lm(len(tokenizer))
     policy.privacy_report = reward  # as the trainers attach it to the models they train
     trainer = PublicPromptGRPOTrainer(model=policy, reward_funcs=reward_model,
-                                args=GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE), train_dataset=PROMPTS,
-                                processing_class=tokenizer, reward_processing_classes=tokenizer)
+                                      args=GRPOConfig(output_dir=str(tmp_path / "policy"), **ONLINE),
+                                      train_dataset=PROMPTS,
+                                      processing_class=tokenizer, reward_processing_classes=tokenizer)
     carried = trainer.carried_privacy_report()
     assert carried.epsilon == pytest.approx(2 * reward.epsilon) and carried.delta == pytest.approx(2 * reward.delta)
     assert carried.extra["initial_policy_report"]["epsilon"] == reward.epsilon
     policy.privacy_report = PrivacyReport.from_dict({**reward.to_dict(), "neighboring_relation": "replace"})
     with pytest.raises(ValueError, match="different neighbouring relations"):
         PublicPromptGRPOTrainer(model=policy, reward_funcs=reward_model,
-                          args=GRPOConfig(output_dir=str(tmp_path / "policy2"), **ONLINE), train_dataset=PROMPTS,
-                          processing_class=tokenizer, reward_processing_classes=tokenizer)
+                                args=GRPOConfig(output_dir=str(tmp_path / "policy2"), **ONLINE), train_dataset=PROMPTS,
+                                processing_class=tokenizer, reward_processing_classes=tokenizer)

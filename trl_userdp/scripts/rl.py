@@ -222,8 +222,8 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, r
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     _cap_completion_length(training_args, policy_config, tokenizer, prompts)
     trainer = PublicPromptGRPOTrainer(model=policy, reward_funcs=reward_model, args=training_args, train_dataset=prompts,
-                                processing_class=tokenizer, reward_processing_classes=reward_tokenizer,
-                                peft_config=peft_config)
+                                      processing_class=tokenizer, reward_processing_classes=reward_tokenizer,
+                                      peft_config=peft_config)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     return _done(trainer, trainer.carried_privacy_report())

@@ -62,10 +62,6 @@ class ComposedPrivacy(TrainerPrivacy):
         own = self.own.report(trainer)
         if own is None or not self.inherited:
             return own
-        relations = {r.neighboring_relation for r in self.inherited}
-        if relations != {own.neighboring_relation}:
-            raise ValueError(f"The policy's report holds under {own.neighboring_relation!r} and the inherited ones under "
-                             f"{sorted(relations)}; their ε cannot be added. Train them under one relation.")
         extra = {**own.extra, **inherited_extra(self.policy_report, self.reward_reports), "prompts_report": own.to_dict()}
         return PrivacyReport(**{**own.__dict__, "epsilon": self.epsilon(trainer), "delta": self.delta(trainer),
                                 "accountant": f"{own.accountant}, composed with the inherited reports (basic "
@@ -111,6 +107,11 @@ class UserDPGRPOTrainer(UserDPTrainerMixin, GRPOTrainer):
         policy_report, reward_reports = inherited_privacy_reports(
             given.get("reward_funcs"), given.get("model"), reward_model_is_public=reward_model_is_public,
             allow_non_private_reward=allow_non_private_reward)
+        relations = {r.neighboring_relation for r in ([policy_report] if policy_report else []) + reward_reports}
+        if isinstance(config, UserDPArguments) and relations - {config.neighboring_relation}:
+            raise ValueError(f"The inherited reports hold under {sorted(relations)} and this run under "
+                             f"{config.neighboring_relation!r}; their ε cannot be added. Set neighboring_relation to "
+                             "theirs.")
         #: the row -> user map of the completions being scored (set while a private batch is generated)
         self._scored_users: Optional[torch.Tensor] = None
         super().__init__(*args, **kwargs)

@@ -132,8 +132,8 @@ def train_policy(sft_path: str, reward: RewardResult, encoder: MiniLMEncoder, da
                         temperature=1.0, report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
                         save_strategy="no", logging_strategy="no", seed=args.rl_training_seed, disable_tqdm=True)
     trainer = PublicPromptGRPOTrainer(model=sft_path, reward_funcs=reward_fn, args=config,
-                                train_dataset=Dataset.from_dict({"prompt": data.train_prompts}), processing_class=tokenizer,
-                                allow_non_private_reward=True, callbacks=[Evaluate()])
+                                      train_dataset=Dataset.from_dict({"prompt": data.train_prompts}),
+                                      processing_class=tokenizer, allow_non_private_reward=True, callbacks=[Evaluate()])
     trainer.train()
     if points[-1]["step"] != trainer.state.global_step:
         evaluate(trainer.model, trainer.state.global_step)
