@@ -7,7 +7,8 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import GPT2Config, GPT2ForSequenceClassification, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          LlamaForSequenceClassification)
 
 VOCAB = 64
 
@@ -99,6 +100,14 @@ def tiny_llama_lm(vocab_size: int, tie: bool = False) -> nn.Module:
                       num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                       tie_word_embeddings=tie)
     return LlamaForCausalLM(cfg)
+
+
+def tiny_gpt2_lm(vocab_size: int) -> nn.Module:
+    """A causal GPT-2 (learned absolute positions, tied embeddings), without dropout."""
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=2, n_head=2, n_positions=128,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
 
 
 def text_preference_dataset(n_users=4, pairs_per_user=3, seed=0) -> Dataset:

@@ -2,6 +2,7 @@
 depend on the other rows' padding (positions come from the row's own attention mask)."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -51,3 +52,17 @@ def test_a_left_padded_rows_outputs_are_its_own_with_absolute_positions():
     shifted = plain(input_ids=padded, attention_mask=mask).logits[:, 3:-1].log_softmax(-1)
     shifted = shifted.gather(-1, padded[:, 4:].unsqueeze(-1)).squeeze(-1)
     assert (shifted - alone).abs().max() > 1e-3
+
+
+def test_generation_keeps_the_models_signature_and_a_left_padded_rows_positions():
+    """``generate`` reads the forward's signature to pass positions from the mask: a left-padded row generates what
+    it generates alone (greedy), with learned absolute positions."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, pad_token_id=0,
+                                       eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    unfuse_lm_head(model)
+    assert "position_ids" in inspect.signature(model.forward).parameters
+    row, padded = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[0, 0, 0, 5, 6, 7, 8]])
+    alone = model.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=6, do_sample=False)
+    left = model.generate(padded, attention_mask=(padded != 0).long(), max_new_tokens=6, do_sample=False)
+    assert torch.equal(left[:, 3:], alone)

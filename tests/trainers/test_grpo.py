@@ -17,7 +17,7 @@ from trl_userdp import PrivacyReport
 from trl_userdp.trainers import UserDPGRPOConfig, UserDPGRPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
 from trl_userdp.trainers.mixin import USER_KEY
 
-from ..tiny_models import tiny_llama_lm, tiny_tokenizer
+from ..tiny_models import tiny_gpt2_lm, tiny_llama_lm, tiny_tokenizer
 from .scripts import reward_script
 
 G = 4  # completions per prompt
@@ -36,11 +36,14 @@ def id_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
-def _trainer(tmp_path, dataset, reward=id_reward, **config):
-    """The trainer on the tiny Llama (saved to a folder when β > 0: TRL loads its reference copy from there)."""
+MODELS = {"llama": tiny_llama_lm, "gpt2": tiny_gpt2_lm}
+
+
+def _trainer(tmp_path, dataset, reward=id_reward, model="llama", **config):
+    """The trainer on a tiny Llama or GPT-2 (saved to a folder when β > 0: TRL loads its reference copy from there)."""
     tokenizer = tiny_tokenizer()
     args = UserDPGRPOConfig(output_dir=str(tmp_path), **{**BASE, **config})
-    policy = tiny_llama_lm(len(tokenizer))
+    policy = MODELS[model](len(tokenizer))
     if args.beta != 0.0:
         policy.save_pretrained(tmp_path / "initial")
         policy = str(tmp_path / "initial")
@@ -80,13 +83,13 @@ def _completion_logps(model, prompt, completion):
     return logits.float().log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
 
 
-def _independent_update(batches, beta, users_per_batch, lr):
+def _independent_update(batches, beta, users_per_batch, lr, model="llama"):
     """−lr · Σ_u ∇ℓ_u / ñ, ℓ_u the mean over user u's completions of GRPO's per-completion loss (on-policy: the token
     loss is −A·π/π.detach() + β·KL(π‖π_ref), averaged over the completion's tokens), each user's gradient by its own
     autograd pass through a fresh copy of the initial policy; advantages recomputed from the reward rule, per prompt
     group. Also returns the advantages for comparison with the trainer's."""
     tokenizer = tiny_tokenizer()
-    policy = tiny_llama_lm(len(tokenizer))
+    policy = MODELS[model](len(tokenizer))
     reference = copy.deepcopy(policy)
     rows = []  # (user, prompt, completion, advantage)
     advantages = []
@@ -114,22 +117,24 @@ def _independent_update(batches, beta, users_per_batch, lr):
     return {n: -lr * g / users_per_batch for n, g in total.items()}, advantages
 
 
-@pytest.mark.parametrize("accumulation,mode", [(1, "hooks"), (2, "hooks"), (1, "ghost")])
-def test_one_step_equals_a_per_user_autograd_computation(tmp_path, accumulation, mode):
+@pytest.mark.parametrize("model,accumulation,mode", [("llama", 1, "hooks"), ("llama", 2, "hooks"), ("llama", 1, "ghost"),
+                                                   ("gpt2", 1, "hooks"), ("gpt2", 2, "ghost")])
+def test_one_step_equals_a_per_user_autograd_computation(tmp_path, model, accumulation, mode):
     """σ = 0, a clip no user reaches, every user drawn (q = 1): the update is −lr·Σ_u ḡ_u/ñ exactly, ḡ_u user u's
-    averaged GRPO gradient (users with 1 and with 3 prompts, G = 4, a KL penalty, prompts of different lengths so rows
-    are padded)."""
+    averaged GRPO gradient, each completion's loss from its own unpadded row (users with 1 and with 3 prompts, G = 4,
+    a KL penalty against a reference model, prompts of different lengths so rows are left-padded: with GPT-2's learned
+    absolute positions a row's loss would follow the other rows' padding unless its positions are its own)."""
     dataset = _prompts({"solo": ["the movie was"], "busy": ["i loved the acting and", "the plot", "great"]})
     trainer = _trainer(tmp_path, dataset, noise_multiplier=0.0, target_epsilon=None, per_user_max_grad_norm=1e6,
                        users_per_batch=2.0, max_samples_per_user=3, beta=0.1, gradient_accumulation_steps=accumulation,
-                       grad_sample_mode=mode)
+                       grad_sample_mode=mode, model=model)
     batches = _record_batches(trainer)
     before = _params(trainer.model)
     trainer.train()
     assert trainer.privacy_engine.accountant.steps_taken == 1 and trainer.privacy_engine.data_loader.sample_rate == 1.0
     rows_per_user = torch.cat([b[USER_KEY] for b in batches]).bincount().tolist()
     assert sorted(rows_per_user) == [G, 3 * G]  # every prompt of both users, G completions each
-    expected, advantages = _independent_update(batches, beta=0.1, users_per_batch=2.0, lr=1.0)
+    expected, advantages = _independent_update(batches, beta=0.1, users_per_batch=2.0, lr=1.0, model=model)
     for batch, adv in zip(batches, advantages):
         torch.testing.assert_close(batch["advantages"], adv, atol=1e-5, rtol=1e-5)
     after = _params(trainer.model)
@@ -373,3 +378,21 @@ def test_a_reward_report_under_another_relation_is_refused_before_training(tmp_p
         UserDPGRPOTrainer(model=tiny_llama_lm(len(tokenizer)), reward_funcs=reward_model,
                           args=UserDPGRPOConfig(output_dir=str(tmp_path), neighboring_relation="replace", **BASE),
                           train_dataset=_prompts(HONEST), processing_class=tokenizer)
+
+
+def test_each_reward_call_sees_one_users_completions(tmp_path):
+    """Rewards are scored one user at a time: a reward function (or model) never sees two users' completions, so it
+    cannot couple them (e.g. by normalising over the batch)."""
+    calls = []
+
+    def recording(prompts, completion_ids, **kwargs):
+        calls.append(list(prompts))
+        return id_reward(completion_ids)
+
+    users = {"a": ["the movie was", "great"], "b": ["i loved the acting"], "c": ["the plot", "bad and"]}
+    owner = {p: u for u, prompts in users.items() for p in prompts}
+    trainer = _trainer(tmp_path, _prompts(users), reward=recording, users_per_batch=3.0, max_samples_per_user=2,
+                       noise_multiplier=0.0, target_epsilon=None)
+    trainer.train()
+    assert sorted(len(c) for c in calls) == [G, 2 * G, 2 * G]  # q = 1: every user, each in one call
+    assert all(len({owner[p] for p in call}) == 1 for call in calls)

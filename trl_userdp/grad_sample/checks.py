@@ -61,9 +61,10 @@ def _has_trainable_learned_positions(module: nn.Module) -> bool:
 def supply_position_ids(module: nn.Module) -> Optional[RemovableHandle]:
     """Pass per-row ``position_ids`` to a model with a trainable learned position embedding.
 
-    For GPT-2's ``wpe`` or BERT's ``position_embeddings``, every call that does not give them gets
-    ``position_ids = arange(T)`` repeated per row: the positions Hugging Face uses by default, but not as the
-    (1, T) tensor that Opacus cannot split per row.
+    For GPT-2's ``wpe`` or BERT's ``position_embeddings``, every call that does not give them gets per-row positions
+    (not the (1, T) tensor that Opacus cannot split per row): with an ``attention_mask``, each row's own count of its
+    tokens (as ``generate`` does, so that a left-padded row's output does not depend on the other rows' lengths, and a
+    step with a cache gets the positions of its last tokens); without one, ``arange(T)``.
 
     Args:
         module: The model.
@@ -84,7 +85,11 @@ def supply_position_ids(module: nn.Module) -> Optional[RemovableHandle]:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return None
         batch, length = ids.shape
-        kwargs["position_ids"] = torch.arange(length, device=ids.device).repeat(batch, 1)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] >= length:
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+        else:
+            kwargs["position_ids"] = torch.arange(length, device=ids.device).repeat(batch, 1)
         return args, kwargs
 
     return module.register_forward_pre_hook(add_position_ids, with_kwargs=True)

@@ -4,6 +4,7 @@ missing, or silently wrong for tied embeddings. The DP trainers replace it by th
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -24,6 +25,7 @@ def unfuse_lm_head(model: torch.nn.Module, temperature: float = 1.0) -> None:
     """
     own_forward = type(model).forward
 
+    @functools.wraps(own_forward)  # keeps the model's signature, which generate() reads (position_ids, logits_to_keep)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         if not fused_lm_head:
             for name, value in (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch)):

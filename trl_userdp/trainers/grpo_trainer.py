@@ -22,6 +22,7 @@ from .. import distributed
 from ..accountants import PrivacyReport
 from .grpo_config import UserDPGRPOConfig
 from ..mechanisms import get_mechanism
+from .fused_head import unfuse_lm_head
 from .mixin import USER_KEY, UserDPTrainerMixin
 from .online import inherited_extra, inherited_privacy_reports
 from .privacy_config import UserDPArguments
@@ -118,6 +119,9 @@ class UserDPGRPOTrainer(UserDPTrainerMixin, GRPOTrainer):
         self._privacy = ComposedPrivacy(self._privacy, policy_report, reward_reports)
         if self._dp_active:
             self._refuse_parallel_runs()
+            if self.ref_model is not None and "forward" in vars(self.ref_model):
+                # the reference's log-probabilities enter each user's KL term: its positions, too, must be the row's own
+                unfuse_lm_head(self.ref_model, temperature=self.temperature)
 
     # -- what the mixin asks of a trainer --------------------------------------------------------
     @property
@@ -178,6 +182,9 @@ class UserDPGRPOTrainer(UserDPTrainerMixin, GRPOTrainer):
         if args.use_vllm:
             refusals.append("use_vllm=True generates outside this process and corrects the loss by importance ratios "
                             "the per-user hooks were not checked against: generate with transformers under user-level DP.")
+        if args.use_transformers_paged or args.use_transformers_continuous_batching:
+            refusals.append("The paged / continuous-batching generation casts the policy to half precision in place: "
+                            "generate with transformers' generate() under user-level DP.")
         if args.use_liger_kernel:
             refusals.append("use_liger_kernel=True replaces layers by fused kernels without per-sample gradients: turn "
                             "it off under user-level DP.")
@@ -203,15 +210,23 @@ class UserDPGRPOTrainer(UserDPTrainerMixin, GRPOTrainer):
         users = batch.pop(USER_KEY).repeat_interleave(self.num_generations)
         examples = [dict(zip(batch, values)) for values in zip(*batch.values())]
         examples = [example for example in examples for _ in range(self.num_generations)]
-        tokens_seen = self.state.num_input_tokens_seen  # TRL counts the private batch's tokens into the saved state
         self._scored_users = users
         try:
             inputs = self._generate_and_score_completions(examples)
         finally:
             self._scored_users = None
-            self.state.num_input_tokens_seen = tokens_seen
         inputs[USER_KEY] = users
         return inputs
+
+    def _generate(self, prompts):
+        """TRL's generation; under DP in training, TRL's count of the batch's tokens (``num_input_tokens_seen``, saved
+        with the state and handed to the reward functions as ``trainer_state``) is left as it was."""
+        tokens_seen = self.state.num_input_tokens_seen
+        try:
+            return super()._generate(prompts)
+        finally:
+            if self._scored_users is not None:
+                self.state.num_input_tokens_seen = tokens_seen
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """Under DP in training, TRL's rewards one user at a time: no reward model or function sees two users'
