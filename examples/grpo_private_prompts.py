@@ -12,8 +12,6 @@ measures what privacy for the prompts costs; with a private reward model (`UserD
 composes both ε (docs/trainers.md).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import math

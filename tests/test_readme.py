@@ -75,6 +75,23 @@ def _trl():
                 pairs_with_user_id=text_preference_dataset(n_users=8, pairs_per_user=3))
 
 
+def _grpo():
+    """A causal LM in ``sft``, a private reward model in ``rm`` (the working directory) and 32 users' prompts."""
+    from datasets import Dataset
+
+    from trl_userdp.trainers import UserDPRewardConfig, UserDPRewardTrainer
+
+    from .tiny_models import tiny_llama_lm, tiny_tokenizer
+    from .trainers.scripts import reward_script
+
+    tokenizer = tiny_tokenizer()
+    tiny_llama_lm(len(tokenizer)).save_pretrained("sft")
+    tokenizer.save_pretrained("sft")
+    reward_script(UserDPRewardTrainer, UserDPRewardConfig, "rm", steps=1, accountant="rdp")
+    prompts = ["the movie was", "i loved the", "the plot", "great and"] * 16
+    return dict(prompts_with_user_id=Dataset.from_dict({"prompt": prompts, "user_id": [f"u{i % 32}" for i in range(64)]}))
+
+
 def _rr():
     from .tiny_models import text_preference_dataset
 
@@ -82,7 +99,7 @@ def _rr():
 
 
 #: a marker of each Python block → the names it expects from the reader
-PYTHON = {"UserDPRewardTrainer(": _trl, "AdaptiveUserPrivacyEngine()": _aup, "UserRandomizedResponse(": _rr,
+PYTHON = {"UserDPRewardTrainer(": _trl, "UserDPGRPOTrainer(": _grpo, "AdaptiveUserPrivacyEngine()": _aup, "UserRandomizedResponse(": _rr,
           "trl_userdp.PrivacyEngine(": _torch_loop, "bound_contributions(": dict, "audit_gradient_canaries(": dict}
 #: command blocks that this file does not run, and why
 NOT_RUN = {"./scripts/main": "the set-up commands: .ci/run runs ./scripts/test, the main job is its own run",

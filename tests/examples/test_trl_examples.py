@@ -54,6 +54,7 @@ def test_tldr_recipe_falls_back_to_local_data_offline(tmp_path, capsys):
     assert report.n_users == 6 and report.max_samples_per_user == 5
 
 
+@pytest.mark.slow  # 20 s: the SFT policy, four GRPO runs and their evaluations, each in a tiny setting
 def test_the_private_prompts_grpo_recipe_runs_every_arm(tmp_path):
     results = _load("grpo_private_prompts").main([
         "--output_dir", str(tmp_path), "--n_users", "8", "--prompts_per_user", "2", "--users_per_batch", "4",
