@@ -233,16 +233,15 @@ def test_the_update_is_the_accountants_noise(tmp_path):
 
 def test_epsilon_is_dp_accountings_and_the_saved_report_says_what_was_spent(tmp_path):
     trainer = _trainer(tmp_path, _prompts({**HONEST, "c": ["great"], "d": ["bad and"]}), max_steps=3,
-                       users_per_batch=2.0, target_epsilon=3.0, accountant="pld")
+                       users_per_batch=2.0, noise_multiplier=0.8, target_epsilon=None, accountant="pld")
     trainer.train()
     trainer.save_model()
     report = PrivacyReport.load(str(tmp_path))
     assert report.mechanism == "user_dpsgd" and report.steps_taken == 3 and report.n_users == 4
-    q, sigma = report.sample_rate, report.noise_multiplier
-    assert q == pytest.approx(0.5)
+    assert report.sample_rate == pytest.approx(0.5) and report.noise_multiplier == 0.8
     independent = pld.PLDAccountant().compose(
-        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), 3)).get_epsilon(1e-5)
-    assert report.epsilon == pytest.approx(independent, rel=1e-9) and report.epsilon <= 3.0
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.5, dpa.GaussianDpEvent(0.8)), 3)).get_epsilon(1e-5)
+    assert report.epsilon == pytest.approx(independent, rel=1e-9)
     logged = [h for h in trainer.state.log_history if "epsilon" in h]
     assert logged and logged[-1]["epsilon"] == pytest.approx(report.epsilon)
     assert not any(k.startswith(("reward", "completions", "kl", "entropy")) for h in logged for k in h)
@@ -329,11 +328,11 @@ def test_without_privacy_it_is_trls_grpo(tmp_path):
 
 
 def test_trls_own_grpo_script_runs_with_the_class_swapped_and_a_user_column(tmp_path):
-    """TRL's ``trl/scripts/grpo.py``, its trainer and config classes swapped for ours (nothing else changed), run as a
-    user runs it: a local model folder, a local prompt dataset with a user column, one of TRL's rule rewards."""
+    """TRL's ``trl/scripts/grpo.py``, its trainer and config classes swapped for ours (nothing else changed), run
+    through its own parser and ``main`` as its ``__main__`` does: a local model folder, a local prompt dataset with a
+    user column, one of TRL's rule rewards."""
+    import importlib.util
     import json
-    import subprocess
-    import sys
 
     import trl.scripts.grpo as trl_script
 
@@ -358,13 +357,15 @@ def test_trls_own_grpo_script_runs_with_the_class_swapped_and_a_user_column(tmp_
             for prompt in prompts:
                 f.write(json.dumps({"prompt": prompt, "user_id": user}) + "\n")
     out = tmp_path / "out"
-    command = [sys.executable, str(script), "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir),
+    command = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir),
                "--reward_funcs", "get_soft_overlong_punishment", "--output_dir", str(out), "--max_steps", "2",
                "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
                "--users_per_batch", "2", "--use_cpu", "true", "--bf16", "false", "--report_to", "none",
                "--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("swapped_grpo_script", script)
+    swapped = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(swapped)
+    swapped.main(*swapped.make_parser().parse_args_and_config(args=command, fail_with_unknown_args=False))
     report = PrivacyReport.load(str(out))
     assert report.mechanism == "user_dpsgd" and report.steps_taken == 2 and report.n_users == 3
     assert report.sample_rate == pytest.approx(2 / 3) and report.epsilon <= 8.0  # the defaults: ε = 8, ñ from the flag
