@@ -37,8 +37,9 @@ def test_online_rl_inherits_the_reward_models_report(reward_dir, tmp_path):
     assert trainer.state.global_step == 2
 
 
-# LoRA through the command line runs by default (tests/test_readme.py); the example's LoRA path with -m slow
-@pytest.mark.parametrize("extra", [[], pytest.param(["--use_peft"], marks=pytest.mark.slow)])
+# DPO, full and LoRA, through the command line runs by default (tests/test_readme.py); the example's with -m slow
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["--use_peft"]])
 def test_dpo_full_and_lora(tmp_path, extra):
     trainer = _load("dpo").main(["--output_dir", str(tmp_path), "--max_steps", "2", "--n_users", "10", *extra])
     assert PrivacyReport.load(str(tmp_path)).steps_taken == 2 and trainer.state.global_step == 2
