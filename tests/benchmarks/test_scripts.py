@@ -47,7 +47,7 @@ def test_user_level_theory_runs_a_tiny_grid_on_nested_data(tmp_path):
     assert os.path.exists(tmp_path / "user_level_theory.png") and os.path.exists(tmp_path / "user_level_theory.json")
 
 
-@pytest.mark.slow  # 10 s of CPU: benchmarks are opt-in runs (the users-scaling smoke test keeps its place)
+@pytest.mark.slow  # 10 s of CPU: benchmarks are opt-in runs
 def test_step_cost_benchmark_runs_a_tiny_setting(tmp_path):
     from benchmarks import step_cost
 
@@ -112,6 +112,7 @@ def test_step_cost_adds_the_fsdp2_rows_for_full_fine_tuning_only(tmp_path):
     assert full["fsdp2 user ghost m=2"]["time_ratio_to_fsdp2_non_private"] > 0
 
 
+@pytest.mark.slow  # 25 s of CPU: benchmarks are opt-in runs (its paired gaps and bootstrap are tested below)
 def test_users_scaling_runs_every_mechanism_with_its_control_in_a_tiny_grid(tmp_path):
     from benchmarks import users_scaling
 
