@@ -5,6 +5,7 @@ missing, or silently wrong for tied embeddings. The DP trainers replace it by th
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 
 import torch
@@ -24,6 +25,7 @@ def unfuse_lm_head(model: torch.nn.Module, temperature: float = 1.0) -> None:
         temperature: the temperature TRL's fused head was added with (GRPO's sampling temperature).
     """
     own_forward = type(model).forward
+    takes_positions = "position_ids" in inspect.signature(own_forward).parameters
 
     @functools.wraps(own_forward)  # keeps the model's signature, which generate() reads (position_ids, logits_to_keep)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
@@ -34,7 +36,7 @@ def unfuse_lm_head(model: torch.nn.Module, temperature: float = 1.0) -> None:
             return own_forward(self, *args, **kwargs)
         kwargs["use_cache"] = False
         mask = kwargs.get("attention_mask")
-        if mask is not None and kwargs.get("position_ids") is None:
+        if takes_positions and mask is not None and kwargs.get("position_ids") is None:
             # each row's positions count its own tokens, as in generation: a row's output must not depend on how
             # much padding other rows (other users) put in front of it (absolute position embeddings)
             kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
