@@ -362,7 +362,7 @@ def test_trls_own_grpo_script_runs_with_the_class_swapped_and_a_user_column(tmp_
     command = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir),
                "--reward_funcs", "get_soft_overlong_punishment", "--output_dir", str(out), "--max_steps", "2",
                "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
-               "--users_per_batch", "2", "--use_cpu", "true", "--bf16", "false", "--report_to", "none",
+               "--users_per_batch", "2", "--accountant", "rdp", "--use_cpu", "true", "--bf16", "false", "--report_to", "none",
                "--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true"]
     spec = importlib.util.spec_from_file_location("swapped_grpo_script", script)
     swapped = importlib.util.module_from_spec(spec)

@@ -20,9 +20,9 @@ from trl import GRPOTrainer
 
 from .. import distributed
 from ..accountants import PrivacyReport
-from .grpo_config import UserDPGRPOConfig
 from ..mechanisms import get_mechanism
 from .fused_head import unfuse_lm_head
+from .grpo_config import UserDPGRPOConfig
 from .mixin import USER_KEY, UserDPTrainerMixin
 from .online import inherited_extra, inherited_privacy_reports
 from .privacy_config import UserDPArguments
