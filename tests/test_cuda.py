@@ -127,3 +127,24 @@ def test_without_a_gpu_the_gpu_check_says_why_in_one_line():
     root = os.path.join(os.path.dirname(__file__), "..")
     done = subprocess.run([os.path.join(root, "scripts", "gpu-check")], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("scripts/gpu-check: no CUDA GPU")
+
+
+@pytest.mark.cuda
+def test_grpo_on_the_users_prompts_trains_privately_in_bf16_on_the_device(device, tmp_path):
+    """``UserDPGRPOTrainer`` with ``bf16=True`` on the device (generation, rewards and the private step), σ = 0, every
+    user clipped, gradient accumulation 2: per-user hooks and ghost clipping take the same first update to bf16's
+    precision (the same seed gives both the same completions)."""
+    from .trainers.test_grpo import HONEST, _params, _prompts, _trainer
+
+    updates = {}
+    for mode in ("hooks", "ghost"):
+        trainer = _trainer(tmp_path / mode, _prompts(HONEST), bf16=True, use_cpu=device.type == "cpu",
+                           noise_multiplier=0.0, target_epsilon=None, per_user_max_grad_norm=0.05,
+                           users_per_batch=2.0, gradient_accumulation_steps=2, grad_sample_mode=mode)
+        before = _params(trainer.model)
+        trainer.train()
+        assert trainer.args.bf16 and trainer.model.device.type == device.type
+        after = _params(trainer.model)
+        updates[mode] = torch.cat([(after[n] - before[n]).float().flatten() for n in before]).cpu()
+    assert all(torch.isfinite(u).all() and u.abs().sum() > 0 for u in updates.values())
+    assert rel_err(updates["ghost"], updates["hooks"]) < 2e-2
