@@ -9,7 +9,7 @@ autograd does, and Opacus's samplers do the rest."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 from opacus.grad_sample import register_grad_sampler, register_norm_sampler
@@ -18,40 +18,29 @@ from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_samp
 from torch import nn
 
 
-def _without_padding(layer: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor) -> torch.Tensor:
-    """``backprops`` with the positions of ``padding_idx`` tokens zeroed (unchanged without a ``padding_idx``)."""
-    if layer.padding_idx is None:
-        return backprops
-    return backprops.masked_fill((activations[0] == layer.padding_idx).unsqueeze(-1), 0)
-
-
-@register_grad_sampler(nn.Embedding)
-def embedding_grad_sample(layer: nn.Embedding, activations: List[torch.Tensor],
-                          backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
-    """Opacus's per-sample embedding gradients, with nothing for the ``padding_idx`` row.
+def _honouring_padding(sampler: Callable, what: str) -> Callable:
+    """``sampler`` (one of Opacus's embedding samplers) on output gradients whose ``padding_idx`` positions are zeroed,
+    as autograd's embedding backward does.
 
     Args:
-        layer: The layer.
-        activations: Its inputs, ``[token ids]``.
-        backprops: The gradients of its output.
+        sampler: Opacus's sampler.
+        what: what it returns (for the docstring).
 
     Returns:
-        ``{weight: per-sample gradients}`` as Opacus's, the ``padding_idx`` row zero.
+        ``(layer, [token ids], backprops) -> {weight: what}``.
     """
-    return compute_embedding_grad_sample(layer, activations, _without_padding(layer, activations, backprops))
+    def sample(layer: nn.Embedding, activations: List[torch.Tensor],
+               backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+        if layer.padding_idx is not None:
+            backprops = backprops.masked_fill((activations[0] == layer.padding_idx).unsqueeze(-1), 0)
+        return sampler(layer, activations, backprops)
+
+    sample.__doc__ = f"Opacus's {what} of ``nn.Embedding``, without the ``padding_idx`` row."
+    return sample
 
 
-@register_norm_sampler(nn.Embedding)
-def embedding_norm_sample(layer: nn.Embedding, activations: List[torch.Tensor],
-                          backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
-    """Opacus's per-sample embedding gradient norms, without the ``padding_idx`` row.
-
-    Args:
-        layer: The layer.
-        activations: Its inputs, ``[token ids]``.
-        backprops: The gradients of its output.
-
-    Returns:
-        ``{weight: per-sample gradient norms}`` as Opacus's.
-    """
-    return compute_embedding_norm_sample(layer, activations, _without_padding(layer, activations, backprops))
+#: registered over Opacus's own for ``nn.Embedding``
+embedding_grad_sample = register_grad_sampler(nn.Embedding)(
+    _honouring_padding(compute_embedding_grad_sample, "per-sample gradients"))
+embedding_norm_sample = register_norm_sampler(nn.Embedding)(
+    _honouring_padding(compute_embedding_norm_sample, "per-sample gradient norms"))

@@ -12,6 +12,7 @@ user's whole influence on the step is their clipped averaged gradient.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -24,7 +25,7 @@ from ..mechanisms import get_mechanism
 from .fused_head import unfuse_lm_head
 from .grpo_config import UserDPGRPOConfig
 from .mixin import USER_KEY, UserDPTrainerMixin
-from .online import inherited_extra, inherited_privacy_reports
+from .online import inherited_extra, inherited_privacy_reports, listed
 from .privacy_config import UserDPArguments
 from .privacy_kinds import TrainerPrivacy
 
@@ -51,7 +52,7 @@ class ComposedPrivacy(TrainerPrivacy):
     @property
     def inherited(self) -> List[PrivacyReport]:
         """The inherited reports (the starting policy's first)."""
-        return ([self.policy_report] if self.policy_report is not None else []) + self.reward_reports
+        return listed(self.policy_report, self.reward_reports)
 
     def prepare_dataset(self, trainer: Any, dataset: Any, args: Any) -> Any:
         """The own mechanism's."""
@@ -64,9 +65,8 @@ class ComposedPrivacy(TrainerPrivacy):
         if own is None or not self.inherited:
             return own
         extra = {**own.extra, **inherited_extra(self.policy_report, self.reward_reports), "prompts_report": own.to_dict()}
-        return PrivacyReport(**{**own.__dict__, "epsilon": self.epsilon(trainer), "delta": self.delta(trainer),
-                                "accountant": f"{own.accountant}, composed with the inherited reports (basic "
-                                              "composition)", "extra": extra})
+        return dataclasses.replace(own, epsilon=self.epsilon(trainer), delta=self.delta(trainer), extra=extra,
+                                   accountant=f"{own.accountant}, composed with the inherited reports (basic composition)")
 
     def epsilon(self, trainer: Any) -> float:
         """The own ε plus the inherited ones."""
@@ -108,7 +108,7 @@ class UserDPGRPOTrainer(UserDPTrainerMixin, GRPOTrainer):
         policy_report, reward_reports = inherited_privacy_reports(
             given.get("reward_funcs"), given.get("model"), reward_model_is_public=reward_model_is_public,
             allow_non_private_reward=allow_non_private_reward)
-        relations = {r.neighboring_relation for r in ([policy_report] if policy_report else []) + reward_reports}
+        relations = {r.neighboring_relation for r in listed(policy_report, reward_reports)}
         if isinstance(config, UserDPArguments) and relations - {config.neighboring_relation}:
             raise ValueError(f"The inherited reports hold under {sorted(relations)} and this run under "
                              f"{config.neighboring_relation!r}; their ε cannot be added. Set neighboring_relation to "

@@ -57,6 +57,19 @@ def is_trl_rule(func: Any) -> bool:
         getattr(func, "__module__", None) or "").startswith("trl.rewards.")
 
 
+def listed(policy_report: Optional[PrivacyReport], reward_reports: List[PrivacyReport]) -> List[PrivacyReport]:
+    """The inherited reports in one list: the starting policy's (if any) first, then the reward models'.
+
+    Args:
+        policy_report: the starting policy's report, if any.
+        reward_reports: the reward models' reports.
+
+    Returns:
+        The list.
+    """
+    return ([policy_report] if policy_report is not None else []) + list(reward_reports)
+
+
 def inherited_privacy_reports(reward_funcs: Any, policy: Any, *, reward_model_is_public: bool,
                               allow_non_private_reward: bool) -> Tuple[Optional[PrivacyReport], List[PrivacyReport]]:
     """The privacy reports an online-RL policy inherits: its starting weights' and its reward models'.
@@ -96,7 +109,7 @@ def inherited_privacy_reports(reward_funcs: Any, policy: Any, *, reward_model_is
                 "then reports ε = ∞)."
             )
         rewards.append(report)
-    relations = {r.neighboring_relation for r in ([policy_report] if policy_report else []) + rewards}
+    relations = {r.neighboring_relation for r in listed(policy_report, rewards)}
     if len(relations) > 1:
         raise ValueError(f"The policy and reward models' reports hold under different neighbouring relations "
                          f"{sorted(relations)}; their ε cannot be added. Train them under one relation.")
@@ -117,7 +130,7 @@ def inherited_extra(policy_report: Optional[PrivacyReport], reward_reports: List
     extra: Dict[str, Any] = {"reward_model_reports": [r.to_dict() for r in reward_reports]}
     if policy_report is not None:
         extra["initial_policy_report"] = policy_report.to_dict()
-    if any(r.extra.get("protects") == "labels only" for r in ([policy_report] if policy_report else []) + reward_reports):
+    if any(r.extra.get("protects") == "labels only" for r in listed(policy_report, reward_reports)):
         extra["protects"] = "labels only"
     return extra
 
@@ -176,7 +189,7 @@ class PublicPromptOnlineMixin(PrivacyModelCardMixin):
                 )
 
     def _inherited_reports(self) -> List[PrivacyReport]:
-        return ([self.policy_privacy_report] if self.policy_privacy_report is not None else []) + self.reward_privacy_reports
+        return listed(self.policy_privacy_report, self.reward_privacy_reports)
 
     def carried_privacy_report(self) -> PrivacyReport:
         """The policy's guarantee: that of its starting weights and reward model(s), by post-processing (several
