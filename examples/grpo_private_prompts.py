@@ -76,7 +76,7 @@ def run(name: str, recipe: RecipeArguments, pipeline: PipelineArguments, sft: st
         # the non-private run's batch: the private runs' expected prompts per step, each with its group
         per_device_train_batch_size=prompts_per_step * recipe.num_generations, num_generations=recipe.num_generations,
         max_completion_length=pipeline.completion_tokens, beta=pipeline.kl_beta, learning_rate=recipe.learning_rate,
-        max_steps=recipe.steps, seed=recipe.seed, privacy_seed=recipe.seed, use_cpu=True, bf16=False,
+        max_steps=recipe.steps, seed=recipe.seed, use_cpu=True, bf16=False,
         report_to=[], save_strategy="no", logging_steps=max(1, recipe.steps // 4), disable_tqdm=False)
     reward = lambda completions, prompts, **kw: list(gold([p + c for p, c in zip(prompts, completions)]))  # noqa: E731
     reward.__name__ = "gold"

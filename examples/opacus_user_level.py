@@ -102,7 +102,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         max_grad_norm=args.max_grad_norm, max_samples_per_user=args.max_samples_per_user,
         users_per_batch=args.users_per_batch, user_ids=list(train["user_id"]),
         rows_per_example=2,  # the loss runs one forward over [chosen; rejected]
-        sampling_seed=args.seed,
     )
     print(
         f"users n={engine.bounding.n_users}, m={args.max_samples_per_user} (rows dropped by bounding: "

@@ -11,7 +11,7 @@ from trl_userdp.trainers import UserDPRewardConfig, UserDPRewardTrainer
 
 out, mode = sys.argv[1], sys.argv[2]
 settings = dict(noise_multiplier=0.0, target_epsilon=None, per_user_max_grad_norm=1e6, optim="sgd", learning_rate=0.5,
-                steps=4, users_per_batch=4.0, privacy_seed=0, grad_sample_mode="ghost", use_cpu=False)
+                steps=4, users_per_batch=4.0, privacy_seed=11, grad_sample_mode="ghost", use_cpu=False)
 if mode == "plugin":
     settings.update(fsdp="full_shard", fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
 trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, out, **settings)

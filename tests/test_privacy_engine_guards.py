@@ -187,7 +187,7 @@ def test_an_aup_engine_checkpoint_keeps_above_threshold_state(tmp_path):
 
 def test_opacus_secure_rng_advice_is_replaced_by_one_info_line(caplog):
     """Opacus warned on every run to "retrain with secure_mode", which this stack cannot (issue 25, item 6); the
-    engine says what the randomness is instead, at INFO (docs/privacy_model.md, "Randomness")."""
+    engine says what the randomness is instead, at INFO (docs/privacy_model.md, "The run's randomness")."""
     import logging
     import warnings
 

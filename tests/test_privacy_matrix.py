@@ -196,3 +196,32 @@ def test_the_slow_profile_runs_many_examples():
     for test in (test_no_user_moves_the_released_sum_beyond_its_sensitivity,
                  test_without_clipping_the_released_sum_is_the_per_user_autograd_sum):
         settings(settings.get_profile("slow"))(given(scenarios())(test.hypothesis.inner_test))()
+
+
+@pytest.mark.parametrize("mode,route", [("hooks", None), ("ghost", "direct"), ("ghost", "gram")])
+def test_a_bf16_user_at_the_clip_is_released_within_it_exactly(mode, route):
+    """Issue 39, finding 4: bf16 parameters, one user with one row whose gradient is 7 in each of 64 coordinates
+    (norm 56), C = 32.375. The clip factor rounded down is not enough: the bf16 product c·g rounds to nearest, which let
+    the released gradient reach 1.0039·C. Every route now releases at most C, with no tolerance."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import trl_userdp
+
+    clip, positions = 32.375, 2
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+    # two positions of 3.5 per row: the weight's gradient is 2 · 3.5 = 7 in every coordinate
+    x = torch.full((1, positions, 8), 3.5, dtype=torch.bfloat16)
+    engine = trl_userdp.PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(x), batch_size=1), user_ids=[0], max_samples_per_user=1,
+        users_per_batch=1.0, noise_multiplier=0.0, max_grad_norm=clip, steps=1, grad_sample_mode=mode)
+    if route is not None:
+        engine.hooks.norm_route = route
+    (batch,) = next(iter(loader))
+    optimizer.zero_grad()
+    model(batch).float().sum().backward()
+    optimizer.step()
+    released = float(torch.linalg.vector_norm(model.weight.grad.float()))
+    assert clip * 0.98 < released <= clip, released

@@ -102,12 +102,12 @@ def tiny_llama_lm(vocab_size: int, tie: bool = False) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def tiny_gpt2_lm(vocab_size: int) -> nn.Module:
-    """A causal GPT-2 (learned absolute positions, tied embeddings), without dropout."""
+def tiny_gpt2_lm(vocab_size: int, dropout: float = 0.0) -> nn.Module:
+    """A causal GPT-2 (learned absolute positions, tied embeddings), without dropout (GPT-2's default is 0.1)."""
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=2, n_head=2, n_positions=128,
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0))
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, resid_pdrop=dropout,
+                                      embd_pdrop=dropout, attn_pdrop=dropout))
 
 
 def text_preference_dataset(n_users=4, pairs_per_user=3, seed=0) -> Dataset:

@@ -35,6 +35,24 @@ def check_epsilon(epsilon: float, name: str = "target_epsilon") -> float:
     return float(epsilon)
 
 
+def check_confidence(confidence: float, name: str = "confidence") -> float:
+    """Check that an audit's confidence lies strictly between 0 and 1 (at 0 a "lower bound" holds with probability 0).
+
+    Args:
+        confidence: The confidence of a bound or test.
+        name: The argument's name, for the error message.
+
+    Returns:
+        ``confidence`` as a float.
+
+    Raises:
+        ValueError: If ``confidence`` is not a real number in (0, 1).
+    """
+    if not _is_real(confidence) or not 0 < confidence < 1:
+        raise ValueError(f"{name} must lie in (0, 1), got {confidence!r}.")
+    return float(confidence)
+
+
 def check_delta(delta: float, name: str = "target_delta") -> float:
     """Check that δ lies strictly between 0 and 1.
 

@@ -80,7 +80,7 @@ def test_the_reward_trainer_tokenizes_as_the_encoder_trains_only_the_head_and_sp
     args = UserDPRewardConfig(output_dir=str(tmp_path), max_steps=3, users_per_batch=4.0, target_epsilon=3.0,
                               max_samples_per_user=2, optim="sgd", learning_rate=1.0, max_grad_norm=0.0,
                               gradient_checkpointing=False, max_length=None, report_to=[], use_cpu=True,
-                              save_strategy="no", disable_tqdm=True, privacy_seed=0)
+                              save_strategy="no", disable_tqdm=True, privacy_seed=11)
     trainer = UserDPRewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=encoder.tokenizer)
     assert trainer.train_dataset["chosen_ids"] == encoder.tokenize(dataset["chosen"])
     trainer.train()  # step 1 runs the optimizer's self-check: per-user gradients add up to autograd's

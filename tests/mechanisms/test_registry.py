@@ -111,7 +111,7 @@ def test_a_mechanism_object_is_accepted_and_configures_the_accountant():
 
 def test_a_registered_mechanism_trains_through_the_trainer_and_is_accounted_by_its_event(tmp_path, relabelled):
     trainer = reward_script(UserDPRewardTrainer, UserDPRewardConfig, str(tmp_path), steps=2,
-                            privacy_mechanism=relabelled.name, accountant="pld", privacy_seed=0)
+                            privacy_mechanism=relabelled.name, accountant="pld", privacy_seed=11)
     report = PrivacyReport.load(str(tmp_path))
     assert report.mechanism == relabelled.name and report.steps_taken == 2
     accountant = trainer.privacy_engine.accountant

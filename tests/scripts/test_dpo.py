@@ -42,7 +42,7 @@ def test_a_yaml_output_dir_and_resume_from_checkpoint_are_honoured(tmp_path, cap
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs(range(8)))
     config = tmp_path / "config.yaml"
     config.write_text(f"output_dir: {tmp_path / 'from_yaml'}\nmax_steps: 4\nsave_steps: 2\n"
-                      "per_device_train_batch_size: 4\nprivacy_seed: 0\n")
+                      "per_device_train_batch_size: 4\nprivacy_seed: 11\n")
     common = ["dpo", "--dataset", str(data), "--model_name_or_path", "tiny"]
     assert main([*common, "--config", str(config)]) == 0
     full = tmp_path / "from_yaml"

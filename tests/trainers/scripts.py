@@ -70,7 +70,7 @@ def bf16_updates_by_mode(script, trainer_cls, config_cls, output_dir, **config):
     for mode in ("hooks", "ghost"):
         start = _Start()
         trainer = script(trainer_cls, config_cls, f"{output_dir}/{mode}", steps=2, bf16=True, callbacks=[start],
-                         gradient_accumulation_steps=2, users_per_batch=4.0, privacy_seed=0, noise_multiplier=0.0,
+                         gradient_accumulation_steps=2, users_per_batch=4.0, privacy_seed=11, noise_multiplier=0.0,
                          target_epsilon=None, per_user_max_grad_norm=0.05, grad_sample_mode=mode, learning_rate=1.0,
                          optim="sgd", **config)
         assert trainer.args.bf16 and trainer.privacy_engine.accountant.steps_taken == 2

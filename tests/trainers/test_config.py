@@ -96,3 +96,30 @@ def test_a_mixture_of_experts_router_loss_is_refused_under_dp(tmp_path):
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.0"):
         UserDPDPOTrainer(model=moe, ref_model=copy.deepcopy(moe), args=args, train_dataset=text_preference_dataset(),
                          processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["reward", "dpo"])
+def test_dropout_is_turned_off_under_dp_and_refused_when_kept(tmp_path, kind):
+    """Issue 39, finding 2, for every trainer: ``disable_dropout=True`` (the default) also turns off what TRL's switch
+    misses (a Llama's attention dropout rate, read by its attention function), and ``disable_dropout=False`` with
+    dropout in the model is refused before training."""
+    from trl_userdp.grad_sample.checks import active_dropout
+
+    from ..tiny_models import text_preference_dataset, tiny_llama_lm, tiny_tokenizer
+    from .scripts import tiny_reward_model
+
+    def build(**config):
+        tokenizer = tiny_tokenizer()
+        model = tiny_reward_model(tokenizer) if kind == "reward" else tiny_llama_lm(len(tokenizer))
+        for module in model.modules():
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = 0.1
+        trainer_cls, config_cls = ((UserDPRewardTrainer, UserDPRewardConfig) if kind == "reward"
+                                   else (UserDPDPOTrainer, UserDPDPOConfig))
+        extra = {} if kind == "reward" else {"ref_model": copy.deepcopy(model)}
+        return trainer_cls(model=model, args=config_cls(output_dir=str(tmp_path), max_steps=1, **{**COMMON, **config}),
+                           train_dataset=text_preference_dataset(), processing_class=tokenizer, **extra)
+
+    assert not active_dropout(build().model)
+    with pytest.raises(ValueError, match="disable_dropout=False with dropout in the model"):
+        build(disable_dropout=False)

@@ -37,7 +37,7 @@ def _dataset_with(user_rows, **columns):
     return Dataset.from_list([user_rows(r) if r["user_id"] == BAD_USER else r for r in rows])
 
 
-NOISELESS_EVERY_USER = dict(noise_multiplier=0.0, target_epsilon=None, users_per_batch=8.0, privacy_seed=0)
+NOISELESS_EVERY_USER = dict(noise_multiplier=0.0, target_epsilon=None, users_per_batch=8.0, privacy_seed=11)
 
 
 def _train_reward(dataset, output_dir, steps=3, **config):
@@ -160,6 +160,44 @@ def test_a_resumed_seeded_run_draws_new_noise_and_continues_the_uninterrupted_ru
     for a, b in zip(resumed.model.parameters(), straight.model.parameters()):  # same users sampled too
         assert torch.allclose(a, b, atol=1e-6)
     assert resumed.privacy_engine.accountant.steps_taken == 6
+
+
+def test_two_resumes_from_one_checkpoint_share_no_noise_by_default(tmp_path, noise_draws):
+    """Issue 39, finding 3: without a privacy_seed (the default) every process draws its secret from the OS, so two
+    runs resumed from one checkpoint draw independent noise: no coordinate of one's steps 4-6 equals the other's, and
+    their difference has the variance of two independent draws (not 0, as with a replayed stream)."""
+    _seeded_run(str(tmp_path / "run"), privacy_seed=None)
+    checkpoint = str(tmp_path / "run" / "checkpoint-3")
+    draws = []
+    for resume in range(2):
+        noise_draws.clear()
+        _seeded_run(str(tmp_path / f"resume{resume}"), resume=checkpoint, privacy_seed=None)
+        draws.append(torch.cat([d.flatten() for d in noise_draws]))
+    assert draws[0].numel() == draws[1].numel() > 1000
+    assert not torch.isclose(draws[0], draws[1]).any()
+    spread = float((draws[0] - draws[1]).var() / (draws[0].var() + draws[1].var()))
+    assert 0.9 < spread < 1.1, spread
+
+
+def test_the_public_seed_decides_neither_the_users_drawn_nor_the_noise(tmp_path, noise_draws):
+    """Two runs with the same public ``seed`` (and torch's global stream seeded alike) and no privacy_seed draw
+    different users and different noise: both come from secrets drawn from the OS."""
+    runs = []
+    for run in range(2):
+        noise_draws.clear()
+        torch.manual_seed(0)
+        trainer = _seeded_run(str(tmp_path / f"run{run}"), privacy_seed=None, max_steps=2, save_strategy="no")
+        users = trainer.privacy_engine.data_loader.user_sampler
+        runs.append((torch.cat([d.flatten() for d in noise_draws]), [users.sample_users() for _ in range(20)]))
+    (noise_a, users_a), (noise_b, users_b) = runs
+    assert not torch.isclose(noise_a, noise_b).any()
+    assert any(not torch.equal(a, b) for a, b in zip(users_a, users_b))
+
+
+def test_a_privacy_seed_equal_to_the_public_seed_is_refused():
+    """The public ``seed`` is saved in training_args.bin: a privacy_seed equal to it would let anyone replay the noise."""
+    with pytest.raises(ValueError, match="privacy_seed equals seed"):
+        UserDPRewardConfig(output_dir="unused", seed=3, privacy_seed=3, **{k: v for k, v in COMMON.items() if k != "seed"})
 
 
 def test_a_resume_with_ignore_data_skip_draws_the_next_users_not_the_epochs_first(tmp_path):

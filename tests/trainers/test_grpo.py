@@ -15,6 +15,7 @@ from scipy import stats
 
 from trl_userdp import PrivacyReport
 from trl_userdp.trainers import UserDPGRPOConfig, UserDPGRPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
+from trl_userdp.grad_sample.checks import active_dropout
 from trl_userdp.trainers.mixin import USER_KEY
 
 from ..tiny_models import tiny_gpt2_lm, tiny_llama_lm, tiny_tokenizer
@@ -22,7 +23,7 @@ from .scripts import reward_script
 
 G = 4  # completions per prompt
 BASE = dict(num_generations=G, max_completion_length=5, max_steps=1, use_cpu=True, bf16=False, report_to=[],
-            save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0, privacy_seed=0, optim="sgd",
+            save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0, privacy_seed=1, optim="sgd",
             learning_rate=1.0, per_device_train_batch_size=8)
 
 
@@ -36,7 +37,8 @@ def id_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
-MODELS = {"llama": tiny_llama_lm, "gpt2": tiny_gpt2_lm}
+MODELS = {"llama": tiny_llama_lm, "gpt2": tiny_gpt2_lm,
+          "gpt2_dropout": lambda vocab: tiny_gpt2_lm(vocab, dropout=0.1)}  # GPT-2's default dropout
 
 
 def _trainer(tmp_path, dataset, reward=id_reward, model="llama", **config):
@@ -216,6 +218,80 @@ def test_an_adversarial_user_moves_the_update_by_at_most_c_over_n(tmp_path, kind
         unclipped = _clipped_sum(tmp_path / "unclipped", {**HONEST, **ADVERSARY}, reward, 1e9, scale_rewards)
         honest = _clipped_sum(tmp_path / "honest", HONEST, reward, 1e9, scale_rewards)
         assert not torch.isfinite(unclipped).all() or float((unclipped - honest).norm()) > 100 * clip
+
+
+def _sampled_clipped_sum(tmp_path, users, clip, model, **config):
+    """Σ_u clip(ḡ_u) of one step with every user drawn and σ = 0, the completions sampled by the trainer itself (the
+    public seed 0, one privacy_seed); also the completions each user got."""
+    trainer = _trainer(tmp_path, _prompts(users), noise_multiplier=0.0, target_epsilon=None, per_user_max_grad_norm=clip,
+                       users_per_batch=float(len(users)), max_samples_per_user=3, max_completion_length=8, beta=0.0,
+                       model=model, **config)
+    batches = _record_batches(trainer)
+    before = _params(trainer.model)
+    trainer.train()
+    after = _params(trainer.model)
+    keys = trainer._private_loader.user_index.keys
+    completions = {}
+    for batch in batches:
+        for i, user in enumerate(batch[USER_KEY].tolist()):
+            completions.setdefault(str(keys[user]), []).append(_row_tokens(batch, i)[1].tolist())
+    return torch.cat([(before[n] - after[n]).flatten() for n in before]) * len(users), completions
+
+
+ORDINARY = {"a": ["the movie was"], "b": ["i loved the acting", "the plot"], "c": ["great and"]}
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2_dropout"])
+def test_with_the_trainers_own_sampling_an_added_user_moves_the_clipped_sum_by_at_most_c(tmp_path, model):
+    """Issue 39, findings 1 and 2: three ordinary users plus z, σ = 0, every user drawn, C = 0.05, the trainer's real
+    sampling from the public seed 0. Each user's completions come from their own stream (the run's secret, the step,
+    their id), so z's rows neither shift the others' completions nor, with GPT-2's default dropout (which
+    UserDPGRPOConfig turns off), their dropout masks: the clipped sums differ by z's clipped gradient alone. Sampled
+    from torch's global stream the others' completions moved, and the sums by 2.24·C; with dropout, by 1.30·C."""
+    clip = 0.05
+    with_z, sampled_with = _sampled_clipped_sum(tmp_path / "with", {**ORDINARY, **ADVERSARY}, clip, model)
+    without, sampled_without = _sampled_clipped_sum(tmp_path / "without", ORDINARY, clip, model)
+    assert {u: sampled_with[u] for u in ORDINARY} == sampled_without
+    assert float((with_z - without).norm()) <= clip * (1 + 1e-4)
+    assert float(without.norm()) > clip  # the ordinary users moved the model, each by up to C
+
+
+def test_completions_are_not_drawn_from_the_public_seed(tmp_path):
+    """The public ``seed`` does not decide the completions: two runs with the same seed and no privacy_seed (each
+    drawing its secret from the OS) sample different ones, and the global stream the seed set is left where it was."""
+    sampled = []
+    for run in range(2):
+        trainer = _trainer(tmp_path / str(run), _prompts(ORDINARY), noise_multiplier=0.0, target_epsilon=None,
+                           users_per_batch=3.0, max_samples_per_user=3, max_completion_length=8, privacy_seed=None)
+        batch = next(iter(trainer.get_train_dataloader()))
+        state = torch.get_rng_state()
+        with torch.no_grad():
+            sampled.append(trainer._prepare_inputs(batch)["completion_ids"])
+        assert torch.equal(torch.get_rng_state(), state)
+    assert not torch.equal(sampled[0], sampled[1])
+
+
+@pytest.mark.parametrize("model", ["gpt2_dropout", "llama_attention_dropout"])
+def test_dropout_under_dp_is_off_by_default_and_refused_when_asked_for(tmp_path, model):
+    """GRPO's dropout is off under DP by default (TRL's GRPOConfig leaves it on), also where TRL's own switch misses it
+    (Llama's attention rate); ``disable_dropout=False`` with dropout in the model is refused before training."""
+    models = {**MODELS, "llama_attention_dropout": lambda vocab: _with_attention_dropout(tiny_llama_lm(vocab))}
+    MODELS["llama_attention_dropout"] = models["llama_attention_dropout"]
+    try:
+        trainer = _trainer(tmp_path, _prompts(HONEST), model=model)
+        assert not active_dropout(trainer.model)
+        with pytest.raises(ValueError, match="disable_dropout=False with dropout in the model"):
+            _trainer(tmp_path, _prompts(HONEST), model=model, disable_dropout=False)
+    finally:
+        del MODELS["llama_attention_dropout"]
+
+
+def _with_attention_dropout(model):
+    model.config.attention_dropout = 0.1
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
+    return model
 
 
 def test_the_update_is_the_accountants_noise(tmp_path):

@@ -17,7 +17,7 @@ MECHANISMS = {
     "user_dpsgd_adaptive": {"accountant": "rdp", "per_user_max_grad_norm": 5.0, "target_unclipped_quantile": 0.5},
     # AUP-RLHF needs large steps or it halts (docs/benchmarks.md): every one of 40 users in every step
     # seeded: AboveThreshold's Laplace draws from the OS halt a few runs in a hundred, which is not under test here
-    "aup": {"concentration_radius": 5.0, "users_per_batch": 40.0, "max_users_per_batch": 40, "privacy_seed": 0,
+    "aup": {"concentration_radius": 5.0, "users_per_batch": 40.0, "max_users_per_batch": 40, "privacy_seed": 11,
             "dataset": text_preference_dataset(n_users=40, pairs_per_user=1)},
     "randomized_response": {},
     "none": {},

@@ -75,7 +75,7 @@ def _released_sum(s, dataset: Dataset, out: str):
     trainer = script(trainer_cls, config_cls, out, steps=1, dataset=dataset, callbacks=[start],
                      bf16=s["dtype"] == "bf16-autocast", gradient_accumulation_steps=s["gradient_accumulation_steps"],
                      privacy_mechanism=s["mechanism"], grad_sample_mode=s["mode"], max_samples_per_user=M,
-                     users_per_batch=float(n_users), privacy_seed=0, noise_multiplier=0.0, target_epsilon=None,
+                     users_per_batch=float(n_users), privacy_seed=11, noise_multiplier=0.0, target_epsilon=None,
                      per_user_max_grad_norm=CLIP, learning_rate=1.0, optim="sgd")
     end = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters() if p.requires_grad])
     expected_units = trainer.privacy_engine.optimizer.expected_batch_size  # users, or records for group

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..accountants.accountant import DPAccountingAccountant
+from ..validators import check_confidence
 from .bounds import audit_scores, each_test_confidence
 from .canaries import CanaryDraw
 from .fdp import audit_curve, run_curves
@@ -211,6 +212,7 @@ class PreferenceCanaries:
         Returns:
             The :class:`~trl_userdp.audit.report.AuditReport`.
         """
+        check_confidence(confidence)
         scores = self.scores(model, tokenizer, reference)
         included = self.draw.included
         with_curve = accountant is not None and any(sigma > 0 for sigma, _, _ in accountant.history)

@@ -18,6 +18,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 from scipy import optimize, special, stats
 
+from ..validators import check_confidence
+
 
 
 def p_value(m: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
@@ -68,9 +70,7 @@ def epsilon_lower_bound(m: int, guesses: int, correct: int, delta: float, confid
     Raises:
         ValueError: as :func:`p_value`, or ``confidence`` outside (0, 1).
     """
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must lie in (0, 1), got {confidence}.")
-    significance = 1 - confidence
+    significance = 1 - check_confidence(confidence)
 
     def rejected_by(epsilon: float) -> float:  # > 0 where the claim is rejected; p grows with ε
         return significance - p_value(m, guesses, correct, epsilon, delta)
@@ -187,7 +187,7 @@ def audit_scores(scores: Sequence[float], included: Sequence[bool], delta: float
         raise ValueError(f"delta must lie in [0, 1), got {delta!r}.")
     m = len(scores)
     tried = tuple(abstentions) if abstentions is not None else default_abstentions(m)
-    per_test = 1 - (1 - confidence) / len(tried)
+    per_test = 1 - (1 - check_confidence(confidence)) / len(tried)
     best: Optional[Tuple[float, Guesses]] = None
     for r in tried:
         found = guess(scores, included, k_in=r // 2, k_out=r - r // 2)
@@ -208,7 +208,7 @@ def each_test_confidence(confidence: float, tests: int) -> float:
     Returns:
         ``1 − (1 − confidence)/tests``.
     """
-    return 1 - (1 - confidence) / tests
+    return 1 - (1 - check_confidence(confidence)) / tests
 
 
 def randomized_response_game(m: int, epsilon: float, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:

@@ -29,6 +29,7 @@ from scipy import stats
 from ..accountants.accountant import DPAccountingAccountant
 from ..accountants.analysis import make_accountant
 from ..mechanisms import GradientMechanism
+from ..validators import check_confidence
 from .bounds import default_abstentions, guess
 
 #: PLD discretisation of the audit's curves (coarser than the accountant's: dp-accounting rounds pessimistically,
@@ -243,7 +244,7 @@ def audit_curve(scores: Sequence[float], included: Sequence[bool], curves: Calla
     m = len(scores)
     tried = tuple(abstentions) if abstentions is not None else default_abstentions(m)
     found = [guess(scores, included, k_in=k // 2, k_out=k - k // 2) for k in tried]
-    significance = (1 - confidence) / len(tried)
+    significance = (1 - check_confidence(confidence)) / len(tried)
 
     def rejecting(curve: TradeOffCurve) -> Optional[int]:
         for i, g in enumerate(found):

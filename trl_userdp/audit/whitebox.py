@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ..mechanisms import GradientMechanism
 from ..privacy_engine import PrivacyEngine
 from ..seeding import derive_seed
+from ..validators import check_confidence
 from .bounds import audit_scores, each_test_confidence
 from .canaries import CanaryDraw
 from .fdp import audit_curve, audits_curve, run_curves
@@ -146,6 +147,7 @@ def audit_gradient_canaries(
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}.")
+    check_confidence(confidence)
     if near_cancelling and rows_per_user != 2:
         raise ValueError("near_cancelling canary users have two rows each: rows_per_user=2.")
     draw = CanaryDraw.draw(n_canaries, None if seed is None else derive_seed(seed, "audit-draw"))

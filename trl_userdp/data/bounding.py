@@ -4,13 +4,12 @@ by a seeded uniform draw. Without this bound no user-level guarantee holds."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 from torch.utils.data import Subset
 
-from ..seeding import derive_seed
+from ..seeding import derive_seed, user_key
 from ..validators import check_max_samples_per_user
 from .users import DEFAULT_USER_COLUMN, UserIndex, is_hf_dataset, resolve_user_ids
 
@@ -113,8 +112,7 @@ def user_rng(seed: Optional[int], stream: str, key: Any) -> np.random.Generator:
     """
     if seed is None:
         return np.random.default_rng()
-    user = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little")
-    return np.random.default_rng(derive_seed(seed, stream, user))
+    return np.random.default_rng(derive_seed(seed, stream, user_key(key)))
 
 
 def _draw_rows(index: UserIndex, m: int, seed: Optional[int]) -> np.ndarray:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from opacus.validators import ModuleValidator
@@ -16,6 +16,60 @@ from torch.utils.hooks import RemovableHandle
 
 #: Names of learned absolute position embeddings in Hugging Face models (GPT-2, BERT, OPT, ...).
 POSITION_EMBEDDING_NAMES = ("wpe", "position_embeddings", "embed_positions")
+
+
+#: float attributes Hugging Face attention layers pass as ``dropout=`` to their attention function in training mode
+DROPOUT_RATE_ATTRIBUTES = ("attention_dropout", "attn_dropout", "attn_drop", "dropout", "dropout_p", "dropout_prob")
+
+
+def _dropout_config_fields(module: nn.Module) -> List[str]:
+    config = getattr(module, "config", None)
+    fields = vars(config) if config is not None and hasattr(config, "__dict__") else {}
+    return [name for name, value in fields.items() if ("dropout" in name or "pdrop" in name)
+            and isinstance(value, float) and value > 0]
+
+
+def active_dropout(module: nn.Module) -> List[str]:
+    """Where a model draws dropout masks in training mode: dropout layers with ``p > 0``, attention layers whose
+    dropout rate (:data:`DROPOUT_RATE_ATTRIBUTES`) is above 0, and the model config's dropout fields above 0.
+
+    Dropout draws one mask for the whole batch from torch's global stream (which the public ``seed`` sets), so one
+    user's rows move every other user's mask: under user-level DP it must be off (docs/privacy_model.md, "The run's
+    randomness").
+
+    Args:
+        module: The model.
+
+    Returns:
+        The names found (``"transformer.h.0.attn.attn_dropout (p=0.1)"``, ``"config.resid_pdrop=0.1"``); empty if none.
+    """
+    found = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+            found.append(f"{name or 'model'} (p={sub.p:g})")
+        for attribute in DROPOUT_RATE_ATTRIBUTES:
+            rate = vars(sub).get(attribute)
+            if isinstance(rate, float) and rate > 0:
+                found.append(f"{name or 'model'}.{attribute}={rate:g}")
+        found += [f"{name + '.' if name else ''}config.{field}" for field in _dropout_config_fields(sub)]
+    return list(dict.fromkeys(found))
+
+
+def disable_dropout(module: nn.Module) -> None:
+    """Turn every dropout :func:`active_dropout` finds off: TRL's ``disable_dropout_in_model`` (dropout layers) plus the
+    attention layers' rates and the config's fields (read by some models in their forward pass).
+
+    Args:
+        module: The model, changed in place.
+    """
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd):
+            sub.p = 0.0
+        for attribute in DROPOUT_RATE_ATTRIBUTES:
+            if isinstance(vars(sub).get(attribute), float):
+                setattr(sub, attribute, 0.0)
+        for field in _dropout_config_fields(sub):
+            setattr(sub.config, field, 0.0)
 
 
 def check_module(module: nn.Module) -> None:

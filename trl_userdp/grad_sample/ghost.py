@@ -46,7 +46,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import conv1d  # noqa: F401  (registers Conv1D's samplers with Opacus)
-from .precision import round_down
+from .precision import product_margin, round_down
 from .user_hooks import UserGradSampleHooks
 
 #: layer types whose per-sample gradient is a sum over positions, so packing a unit's rows along positions is exact
@@ -509,7 +509,9 @@ class UserGhostHooks(UserGradSampleHooks):
         bad = ~torch.isfinite(norms)
         norms = norms.masked_fill(bad, 0.0)
         self.unit_norms.append(norms)
-        weights = torch.where(bad, torch.zeros(()), self.clip_factors(norms).cpu() / counts)  # c_u / n_u
+        # c_u / n_u, each unit clipped to the share of C that its sums' rounding (bf16) cannot push past C
+        margin = product_margin(self._sum_dtype(p) for p in self.param_names)
+        weights = torch.where(bad, torch.zeros(()), self.clip_factors(norms / margin).cpu() / counts)
         rows_bad, row_weights = bad[row_slots], weights[row_slots]
 
         def book_kept(module: nn.Module, record: LayerRecord) -> Dict[nn.Parameter, torch.Tensor]:

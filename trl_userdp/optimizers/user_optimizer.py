@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from ..grad_sample import UserGradSampleHooks
 from ..grad_sample.checks import check_unit_sums
-from ..grad_sample.precision import round_down
+from ..grad_sample.precision import product_margin, round_down
 from ..seeding import derive_seed
 
 
@@ -217,7 +217,8 @@ class UserDPOptimizer(DPOptimizer):
         norms = [torch.linalg.vector_norm(g.flatten(1), dim=-1, dtype=torch.float32) for g in self.grad_samples]
         norms = torch.stack([n.to(norms[0].device) for n in norms], dim=1).norm(2, dim=1)
         self.hooks.unit_norms.append(norms)
-        factor = self.clip_factors(norms)
+        # each unit clipped to the share of C that rounding its product into the parameters' dtype cannot push past C
+        factor = self.clip_factors(norms / product_margin(p.dtype for p in self.params))
         for p in self.params:
             _check_processed_flag(p.grad_sample)
             grad_sample = self._get_flat_grad_sample(p).to(p.dtype)  # as Opacus: sums and noise in the parameter's dtype

@@ -17,6 +17,7 @@ import math
 import os
 from typing import Optional
 
+from ..validators import check_confidence
 from .utils import UserDataArguments, _load_data, command_parser, run_script
 
 #: the command's line in ``trl-userdp --help``
@@ -49,7 +50,10 @@ class AuditArguments:
     whitebox_steps: int = dataclasses.field(default=10, metadata={"help": "whitebox: private steps."})
     audit_seed: Optional[int] = dataclasses.field(default=None, metadata={
         "help": "Seeds the canary draw (default: the OS; the draw is saved as canary_draw.json, a secret)."})
-    confidence: float = dataclasses.field(default=0.95, metadata={"help": "Confidence of the lower bound."})
+    confidence: float = dataclasses.field(default=0.95, metadata={"help": "Confidence of the lower bound, in (0, 1)."})
+
+    def __post_init__(self):
+        check_confidence(self.confidence, "--confidence")  # before any training
 
 
 def _small_reward_model(seed: int):

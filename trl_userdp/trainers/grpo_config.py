@@ -15,7 +15,13 @@ class UserDPGRPOConfig(UserDPArguments, GRPOConfig):
     The privacy unit is the user who wrote the prompts; ``max_samples_per_user`` bounds their prompts, each answered by
     ``num_generations`` completions. ``loss_type`` defaults to ``"grpo"`` (each completion's loss is its own token mean):
     TRL's default ``"dapo"`` divides by the batch's token count, so one user's completion lengths would weigh every
-    other user's gradient."""
+    other user's gradient. ``disable_dropout`` defaults to True (TRL's GRPO default is False): dropout's masks come
+    from torch's public stream, one per batch, so under DP a model with dropout on is refused."""
+
+    disable_dropout: bool = dataclasses.field(
+        default=True,
+        metadata={"help": "Turn the model's dropout off (required under user-level DP: its masks couple users)."},
+    )
 
     loss_type: str = dataclasses.field(
         default="grpo",

@@ -6,7 +6,9 @@ prompts each. Every drawn prompt gets its group of ``num_generations`` completio
 (scored one user at a time) and advantages within its group; the GRPO loss of each completion is its own, so the
 per-user hooks average a user's completions' gradients, clip the average to C and add one Gaussian draw per step.
 Generation, rewards and advantages are functions of one user's prompts and the current (already private) policy, so a
-user's whole influence on the step is their clipped averaged gradient.
+user's whole influence on the step is their clipped averaged gradient. Each user's completions are sampled one user at
+a time from a stream keyed by the run's secret, the step and that user's id (never torch's global stream, which the
+public ``seed`` sets and every user's rows would consume).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from trl import GRPOTrainer
 from .. import distributed
 from ..accountants import PrivacyReport
 from ..mechanisms import get_mechanism
+from ..seeding import derive_seed, run_secret, user_key
 from .fused_head import unfuse_lm_head
 from .grpo_config import UserDPGRPOConfig
 from .mixin import USER_KEY, UserDPTrainerMixin
@@ -117,6 +120,8 @@ class UserDPGRPOTrainer(UserDPTrainerMixin, GRPOTrainer):
         self._scored_users: Optional[torch.Tensor] = None
         super().__init__(*args, **kwargs)
         self._privacy = ComposedPrivacy(self._privacy, policy_report, reward_reports)
+        #: the secret keying each user's sampling stream (:meth:`_user_stream`)
+        self._run_secret = run_secret(self.args.privacy_seed)
         if self._dp_active:
             self._refuse_parallel_runs()
             if self.ref_model is not None and "forward" in vars(self.ref_model):
@@ -227,6 +232,43 @@ class UserDPGRPOTrainer(UserDPTrainerMixin, GRPOTrainer):
         finally:
             if self._scored_users is not None:
                 self.state.num_input_tokens_seen = tokens_seen
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Under DP in training, TRL's sampling one user at a time, each user's completions from their own stream
+        (:meth:`_user_stream`): what a user is answered depends on their prompts, the policy and the run's secret only,
+        not on who else was drawn nor on the public ``seed``.
+
+        Raises:
+            ValueError: multimodal prompts (their fields are batched across users) under DP.
+        """
+        users = self._scored_users
+        if users is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images=has_tool_images)
+        if images is not None or multimodal_fields:
+            raise ValueError("Multimodal prompts are not supported by UserDPGRPOTrainer under user-level DP.")
+        completions: List[Any] = [None] * len(prompt_ids)
+        for user in users.unique().tolist():
+            rows = (users == user).nonzero().flatten().tolist()
+            with self._user_stream(user):
+                ids, _ = super()._generate_single_turn([prompt_ids[i] for i in rows], None, {}, num_generations)
+            for i, completion in zip(rows, ids):
+                completions[i] = completion
+        return completions, None
+
+    @contextlib.contextmanager
+    def _user_stream(self, user: int) -> Iterator[None]:
+        """torch's global generators (the CPU's and this process's accelerator's), for the block, seeded from
+        ``(run secret, "generation", step, user id)``, then put back as they were: the global stream the public seed
+        set is neither read nor advanced by the users' sampling."""
+        device = self.accelerator.device
+        key = user_key(self._private_loader.user_index.keys[user].item())
+        seed = derive_seed(self._run_secret, "generation", self.state.global_step, key)
+        accelerator = device.type != "cpu"
+        with torch.random.fork_rng(devices=[device] if accelerator else [],
+                                   device_type=device.type if accelerator else None):
+            torch.manual_seed(seed)
+            yield
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """Under DP in training, TRL's rewards one user at a time: no reward model or function sees two users'

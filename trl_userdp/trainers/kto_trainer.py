@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List
+import logging
+from typing import Callable, Iterator, List
 
 import torch
 from trl import KTOTrainer
@@ -30,12 +31,34 @@ class UserDPKTOTrainer(UserDPTrainerMixin, KTOTrainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        """TRL's; for a private run's training set without TRL's desirable/undesirable balance warning, which prints
+        counts of the private labels (one user's labels decide whether it appears, and its numbers)."""
+        if not (self._privacy.private and dataset_name == "train"):
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        with _filtered(logging.getLogger("trl.trainer.kto_trainer"), _not_the_balance_warning):
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
     def dp_refusals(self, args) -> List[str]:
         """Refuses every loss but ``apo_zero_unpaired`` (KTO's KL baseline couples users)."""
         if args.loss_type != "apo_zero_unpaired":
             return [f"loss_type={args.loss_type!r} estimates KTO's KL baseline from other examples of the batch (other "
                     "users' completions), which breaks the per-user bound: use loss_type='apo_zero_unpaired'."]
         return []
+
+
+def _not_the_balance_warning(record: logging.LogRecord) -> bool:
+    return "You have different amounts of desirable" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _filtered(logger: logging.Logger, keep: Callable[[logging.LogRecord], bool]) -> Iterator[None]:
+    """``logger`` drops the records ``keep`` refuses, for the duration."""
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from .. import distributed
 from ..accountants import PrivacyReport
 from ..checkpoints import load_plain
 from ..data import check_text_columns, resolve_user_ids
+from ..grad_sample.checks import active_dropout, disable_dropout
 from ..mechanisms import UserRandomizedResponse, get_mechanism, mechanism_names
 from ..privacy_engine import PrivacyEngine
 from .fused_head import unfuse_lm_head
@@ -237,6 +238,7 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
                     "The Mixture-of-Experts router auxiliary loss is computed over the whole batch and couples users, "
                     "which breaks the per-user bound: set router_aux_loss_coef=0.0 under user-level DP."
                 )
+            self._turn_dropout_off()
             policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             if "forward" in vars(policy):  # TRL patched the instance's forward (its fused LM head)
                 unfuse_lm_head(policy, temperature=self.lm_head_temperature)
@@ -259,6 +261,25 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             self.loss_is_scaled_for_ga = True
         #: position of the next training micro-batch within its draw of users, and whether the current one continues a draw
         self._draw_part, self._continuation = 0, False
+
+    def _turn_dropout_off(self) -> None:
+        """Under DP, dropout must be off: its masks come from torch's global stream, which the public ``seed`` sets and
+        every user's rows advance, one mask for the whole batch. ``disable_dropout=True`` (every trainer's default under
+        DP) turns off what TRL's own switch leaves on too (attention layers' rates, the config's fields).
+
+        Raises:
+            ValueError: ``disable_dropout=False`` with dropout in the model.
+        """
+        if getattr(self.args, "disable_dropout", True):
+            for model in (self.model, getattr(self, "ref_model", None)):
+                if isinstance(model, torch.nn.Module):
+                    disable_dropout(model)
+        found = active_dropout(self.model)
+        if found:
+            raise ValueError(f"disable_dropout=False with dropout in the model ({', '.join(found[:2])}"
+                             f"{', ...' if len(found) > 2 else ''}): its masks come from torch's public stream, one per "
+                             "batch, so one user's rows would move the other users' masks. Set disable_dropout=True "
+                             "under user-level DP.")
 
     def _shard_with_the_fsdp_plugin(self) -> None:
         """accelerate's FSDP plugin (``fsdp_version: 2``): the model is sharded now, before the privacy engine is set up

@@ -17,6 +17,8 @@ from ..setup_options import GRAD_SAMPLE_MODES
 from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_noise_multiplier, check_positive
 
 logger = logging.getLogger(__name__)
+#: whether the given-privacy_seed warning was shown in this process (once is enough)
+_SEED_WARNED: list = []
 
 
 @dataclasses.dataclass
@@ -106,6 +108,24 @@ class UserDPArguments:
         super().__post_init__()
         self._validate_privacy_fields()
 
+    def _check_privacy_seed(self) -> None:
+        """A given ``privacy_seed`` must not be the public ``seed``; it warns once that the release is private only while
+        the seed stays secret and is used for one run.
+
+        Raises:
+            ValueError: ``privacy_seed`` equals ``seed``.
+        """
+        if self.privacy_seed is None:
+            return
+        if self.privacy_seed == getattr(self, "seed", None):
+            raise ValueError(f"privacy_seed equals seed ({self.seed}), which is public (saved in training_args.bin): "
+                             "anyone could replay the noise. Leave privacy_seed unset (a secret drawn from the OS).")
+        if not _SEED_WARNED:
+            _SEED_WARNED.append(True)
+            logger.warning("privacy_seed is set: the release is private only while that seed stays secret and is used "
+                           "for this run alone (another run, or a second resume from one checkpoint, with the same "
+                           "seed would share its noise). Leave it unset for a release.")
+
     def to_dict(self):
         """As transformers hides hub tokens: the ``privacy_seed`` never reaches logs, TensorBoard or model cards."""
         d = super().to_dict()
@@ -151,6 +171,7 @@ class UserDPArguments:
             if self.target_epsilon is not None:
                 check_epsilon(self.target_epsilon, "target_epsilon")
         check_delta(self.target_delta, "target_delta")
+        self._check_privacy_seed()
         mechanism.check_arguments(self)
         if mechanism.kind != "gradient":
             return

@@ -117,7 +117,7 @@ def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str,
     m, seed = args.max_samples_per_user, args.reward_training_seed
     privacy = dict(privacy_mechanism=mechanism, target_epsilon=None if noise_free else epsilon, target_delta=args.delta,
                    accountant="pld", neighboring_relation=args.neighboring_relation, per_user_max_grad_norm=1.0,
-                   max_samples_per_user=m, users_per_batch=args.users_per_batch, privacy_seed=seed,
+                   max_samples_per_user=m, users_per_batch=args.users_per_batch,
                    noise_multiplier=0.0 if noise_free else None)
     if needs_public_tau(mechanism):
         privacy.update(concentration_radius=tau)
