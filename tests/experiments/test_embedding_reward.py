@@ -105,7 +105,8 @@ def test_the_pool_model_trains_as_the_minilm_model_on_the_same_texts(encoder, tm
     texts = Dataset.from_dict({"chosen": [pool[i] for i in pairs[:, 0]], "rejected": [pool[i] for i in pairs[:, 1]],
                                "user_id": users})
     on_texts = _model(encoder)
-    fit_reward_model(on_texts, texts, mechanism, 8.0, args, 4, str(tmp_path / "texts"), processing_class=encoder.tokenizer)
+    fit_reward_model(on_texts, texts, mechanism, 8.0, args, 4, str(tmp_path / "texts"), processing_class=encoder.tokenizer,
+                     privacy_seed=11)
     if mechanism == "randomized_response":
         indices = Dataset.from_dict({"chosen": [f"p{i}" for i in pairs[:, 0]], "rejected": [f"p{i}" for i in pairs[:, 1]],
                                      "user_id": users})
@@ -117,7 +118,7 @@ def test_the_pool_model_trains_as_the_minilm_model_on_the_same_texts(encoder, tm
     on_pool = PoolRewardModel(MiniLMRewardConfig(hidden_size=encoder.dim, pad_token_id=tokenizer.pad_token_id,
                                                  eos_token_id=tokenizer.eos_token_id), emb)
     fit_reward_model(on_pool, indices, mechanism, 8.0, args, 4, str(tmp_path / "pool"), processing_class=tokenizer,
-                     data_collator=pool_pair_collator)
+                     data_collator=pool_pair_collator, privacy_seed=11)
     before, trained = _model(encoder).head.state_dict(), on_texts.head.state_dict()
     assert not torch.equal(trained["score.weight"], before["score.weight"])  # it trained (the BTL margin has no bias)
     for key, value in trained.items():

@@ -186,7 +186,7 @@ def test_the_public_seed_decides_neither_the_users_drawn_nor_the_noise(tmp_path,
     for run in range(2):
         noise_draws.clear()
         torch.manual_seed(0)
-        trainer = _seeded_run(str(tmp_path / f"run{run}"), privacy_seed=None, max_steps=2, save_strategy="no")
+        trainer = _seeded_run(str(tmp_path / f"run{run}"), privacy_seed=None, save_strategy="no")
         users = trainer.privacy_engine.data_loader.user_sampler
         runs.append((torch.cat([d.flatten() for d in noise_draws]), [users.sample_users() for _ in range(20)]))
     (noise_a, users_a), (noise_b, users_b) = runs

@@ -87,7 +87,7 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
 def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str, epsilon: Optional[float],
                      args: PipelineArguments, steps: int, out_dir: str, tau: Optional[float] = None, *,
                      processing_class=None, data_collator=None, noise_free: bool = False,
-                     aup_takes_every_user: bool = True) -> PrivacyReport:
+                     aup_takes_every_user: bool = True, privacy_seed: Optional[int] = None) -> PrivacyReport:
     """Train a reward model in place with :class:`~trl_userdp.trainers.UserDPRewardTrainer`: ``steps`` steps of ñ·m
     pairs (each step's users drawn by Poisson sampling under the DP-SGD family), SGD at ``reward_lr``, C = 1, the
     pipeline's seed, bf16 autocast; AUP-RLHF takes every user in every step (it halts on small Poisson batches) unless
@@ -107,6 +107,8 @@ def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str,
         noise_free: the mechanism's noise-free control: the same sampling, clipping (or outlier removal) and steps
             with σ = 0 (no ε).
         aup_takes_every_user: AUP-RLHF samples every user at every step (else ñ = ``users_per_batch``, as the others).
+        privacy_seed: keys the privacy draws, for tests that compare two runs (None: secrets from the OS, as a
+            release must).
 
     Returns:
         The trainer's privacy report.
@@ -117,7 +119,7 @@ def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str,
     m, seed = args.max_samples_per_user, args.reward_training_seed
     privacy = dict(privacy_mechanism=mechanism, target_epsilon=None if noise_free else epsilon, target_delta=args.delta,
                    accountant="pld", neighboring_relation=args.neighboring_relation, per_user_max_grad_norm=1.0,
-                   max_samples_per_user=m, users_per_batch=args.users_per_batch,
+                   max_samples_per_user=m, users_per_batch=args.users_per_batch, privacy_seed=privacy_seed,
                    noise_multiplier=0.0 if noise_free else None)
     if needs_public_tau(mechanism):
         privacy.update(concentration_radius=tau)
