@@ -29,6 +29,7 @@ from .checkpoints import load_plain
 from .data import UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
 from .grad_sample import UserGhostHooks, UserGradSampleHooks, check_module, supply_position_ids
+from .grad_sample.checks import active_dropout
 from .grad_sample.ghost import PACKABLE
 from . import distributed
 from .mechanisms import GradientMechanism, get_mechanism
@@ -260,6 +261,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if any(p not in model_params for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)):
             raise ValueError("Module parameters are different than optimizer parameters.")
         check_module(module)
+        dropout = active_dropout(module)
+        if dropout:
+            logger.warning("The model has dropout on (%s): its masks come from torch's global stream, one per batch, "
+                           "so one user's rows move the others' masks. Turn it off before training "
+                           "(trl_userdp.grad_sample.checks.disable_dropout(model)); the trainers refuse it.", dropout[0])
         return m
 
     def _bound(self, data_loader, m, opts: SetupOptions, target_delta):

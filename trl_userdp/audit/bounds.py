@@ -21,7 +21,6 @@ from scipy import optimize, special, stats
 from ..validators import check_confidence
 
 
-
 def p_value(m: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
     """P[at least ``correct`` right guesses of ``guesses``] under the claim "(ε, δ)-DP" (Steinke et al. 2023, Thm. 3.1
     with Prop. 5.2's δ term): ``β + 2mδ·α``, where ``β = P[Binomial(r, q) ≥ v]`` with ``q = e^ε/(1+e^ε)``, and
