@@ -58,21 +58,3 @@ def run_secret(privacy_seed: Optional[int]) -> int:
     """
     return secrets.randbits(63) if privacy_seed is None else int(privacy_seed)
 
-
-def keyed_uniforms(step_key: int, keys: np.ndarray) -> np.ndarray:
-    """One uniform in [0, 1) per user for one step, each a function of the step's key and that user's key alone
-    (SplitMix64's finaliser of their sum), so that adding or removing a user moves no other user's draw.
-
-    Args:
-        step_key: The step's secret 64-bit key (drawn from the run's generator).
-        keys: The users' :func:`user_key` values (uint64).
-
-    Returns:
-        float64 uniforms, one per key.
-    """
-    with np.errstate(over="ignore"):
-        z = keys.astype(np.uint64) + np.uint64(step_key & 0xFFFFFFFFFFFFFFFF) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53

@@ -116,21 +116,3 @@ def test_set_epoch_gives_each_epoch_fresh_draws_and_replays_an_epoch_exactly():
     resumed.set_epoch(1)
     assert list(resumed) == epoch1
 
-
-def test_adding_a_user_moves_no_other_users_draws():
-    """Each user's inclusion and per-step rows come from the step's key and that user's id alone: with one seed, a
-    dataset with user "z" added (sorted first, so every other user's position shifts) draws exactly the same steps and
-    rows for every other user. Joint draws (one uniform per position) moved most users' inclusion."""
-    rows = {f"u{i:02d}": 1 + i % 4 for i in range(30)}
-
-    def batches(extra):
-        ids = [u for u, k in {**extra, **rows}.items() for _ in range(k)]
-        index = UserIndex.from_ids(ids)
-        # the same q = 0.2 for both (q = ñ/n is public; a different q would move users on its own)
-        sampler = UserPoissonSampler(index, users_per_batch=0.2 * index.n_users, steps=200, seed=5, samples_per_user=2)
-        keys = index.keys
-        return [{(str(keys[c]), int(r) - ids.index(str(keys[c]))) for c, r in zip(index.codes[b], b)} for b in sampler]
-    without, with_z = batches({}), batches({"a-z": 3})
-    for step, (a, b) in enumerate(zip(without, with_z)):
-        assert a == {(u, r) for u, r in b if u != "a-z"}, step
-    assert any(u == "a-z" for b in with_z for u, _ in b)  # z was drawn, yet no one else moved

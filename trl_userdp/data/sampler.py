@@ -1,24 +1,18 @@
 """User-level Poisson sampling (docs/privacy_model.md): each user joins a step independently with probability
 ``q = users_per_batch / n_users`` and brings all its rows (or ``k`` of them, AUP-RLHF Alg. 4).
-Empty steps are yielded, not skipped: the accountant counts them and the optimizer adds noise.
-Each user's draws are keyed by the step's secret key and that user's id alone, so no user's inclusion or rows move
-when another user is added or removed (:func:`~trl_userdp.seeding.keyed_uniforms`)."""
+Empty steps are yielded, not skipped: the accountant counts them and the optimizer adds noise."""
 
 from __future__ import annotations
 
 import secrets
 from typing import Iterator, List, Optional
 
-import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from ..seeding import derive_seed, keyed_uniforms, user_key
+from ..seeding import derive_seed
 from ..validators import check_max_samples_per_user, check_users_per_batch, steps_per_epoch
 from .users import UserIndex
-
-#: the records drawn per step (``samples_per_user``) use the step key XOR this: a stream apart from the inclusion draw's
-RECORDS_STREAM = user_key("records")
 
 
 class UserPoissonSampler(Sampler[List[int]]):
@@ -97,10 +91,6 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.resume_offset = 0
         self.num_replicas = num_replicas
         self.rank = rank
-        #: each user's key in the per-user draws (from the user's id)
-        self.user_keys = np.array([user_key(k) for k in users.keys.tolist()], dtype=np.uint64)
-        #: the current step's key (drawn from :attr:`generator` at the start of each step)
-        self.step_key = 0
 
     def __len__(self) -> int:
         return self.steps * self.micro_batches
@@ -116,28 +106,23 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.position = int(epoch) * self.steps + self.resume_offset
 
     def sample_users(self) -> torch.Tensor:
-        """One step's users (all ranks): Poisson with rate q, each user's inclusion from the step's key and the user's
-        own key; truncated to ``max_users_per_batch`` (a uniform subset of the drawn users).
+        """One step's users (all ranks): Poisson with rate q, truncated to ``max_users_per_batch``.
 
         Returns:
             The sampled user codes, a sorted LongTensor (possibly empty).
         """
-        self.step_key = int(torch.randint(2 ** 62, (), generator=self.generator))
-        drawn = keyed_uniforms(self.step_key, self.user_keys) < self.sample_rate
-        users = torch.from_numpy(np.flatnonzero(drawn)).long()
+        n = self.users.n_users
+        users = torch.nonzero(torch.rand(n, generator=self.generator) < self.sample_rate).flatten()
         cap = self.max_users_per_batch
         if cap is not None and len(users) > cap:
             users = users[torch.randperm(len(users), generator=self.generator)[:cap]].sort().values
         return users
 
     def _rows(self, user: int) -> List[int]:
-        """The user's rows this step: all of them, or ``samples_per_user`` drawn from the step's and the user's key."""
         rows = self.users.rows[user]
         k = self.samples_per_user
         if k is not None and len(rows) > k:
-            seed = int(keyed_uniforms(self.step_key ^ RECORDS_STREAM, self.user_keys[user:user + 1])[0] * 2 ** 53)
-            order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
-            rows = rows[order[:k].sort().values.numpy()]
+            rows = rows[torch.randperm(len(rows), generator=self.generator)[:k].sort().values.numpy()]
         return rows.tolist()
 
     def __iter__(self) -> Iterator[List[int]]:
@@ -148,8 +133,9 @@ class UserPoissonSampler(Sampler[List[int]]):
             users = self.sample_users()
             mine: List[List[int]] = []
             for u in users.tolist():
+                rows = self._rows(u)  # drawn on every rank, so generators stay in step
                 if u % self.num_replicas == self.rank:
-                    mine.append(self._rows(u))
+                    mine.append(rows)
             k = self.micro_batches
             for i in range(k):
                 yield [r for rows in mine[i * len(mine) // k: (i + 1) * len(mine) // k] for r in rows]
