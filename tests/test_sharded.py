@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from trl.trainer.reward_trainer import DataCollatorForPreference
 
 import trl_userdp
-from trl_userdp.distributed import shard_model
+from trl_userdp.distributed import finish, shard_model
 
 from .tiny_models import VOCAB, btl_pair_losses, preference_dataset, tiny_gpt2_rm, tiny_llama_rm
 
@@ -123,11 +123,10 @@ def _worker(rank, world, tmp):
                         "steps": engine.accountant.steps_taken}, os.path.join(tmp, f"{case}{rank}.pt"))
         _resume(rank, tmp)
         _refusals_and_failures(rank, tmp)
-        # both ranks past their last collective before the group is torn down: a rank that destroys it while the other
-        # is still in one can abort at exit (gloo; seen once in two CI runs under load, "terminate called")
-        dist.barrier()
+        finish()  # both ranks done: the last barrier kept, then the group torn down (no gloo thread frees at exit)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a failure: tear down at once (a barrier could wait for a rank stuck elsewhere)
+            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

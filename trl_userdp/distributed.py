@@ -22,6 +22,29 @@ def world_size() -> int:
     return 1
 
 
+#: the last barrier's ``Work``, held until the interpreter exits (:func:`finish`)
+_FINAL_BARRIER: List[object] = []
+
+
+def finish() -> None:
+    """Leave ``torch.distributed`` at the end of a run, on every rank: a barrier whose ``Work`` is kept, then
+    ``destroy_process_group``. Call it last in scripts that run several processes (the package's scripts do).
+
+    Gloo's barrier keeps weak references to the collectives still queued (the last FSDP2 state-dict gathers, say),
+    and a gloo worker thread drops its reference to the barrier only after the barrier has returned. If that drop is
+    the last one, the worker frees those collectives' tensors, which takes the GIL; once the interpreter is shutting
+    down, taking it ends the thread inside a ``noexcept`` destructor and the process aborts ("terminate called without
+    an active exception", exit −6), now and then, after every file was written. Holding the barrier's ``Work`` makes
+    the main thread free them instead (docs/trainers.md, "Many processes").
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    work = torch.distributed.barrier(async_op=True)
+    work.wait()
+    _FINAL_BARRIER.append(work)
+    torch.distributed.destroy_process_group()
+
+
 def rank() -> int:
     """This process's rank.
 

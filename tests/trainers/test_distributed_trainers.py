@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from scipy import stats
 
 from trl_userdp import PrivacyReport
+from trl_userdp.distributed import finish
 from trl_userdp.trainers import UserDPDPOConfig, UserDPDPOTrainer, UserDPRewardConfig, UserDPRewardTrainer
 
 from ..tiny_models import tiny_llama_lm, tiny_tokenizer
@@ -67,8 +68,7 @@ def _worker(rank: int, world: int, port: int, jobs: list):
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         if torch.distributed.is_initialized():  # both ranks have saved before the next job (or gloo's teardown)
             torch.distributed.barrier()
-    if torch.distributed.is_initialized():  # a rank that tears gloo down while another still saves aborts (SIGABRT)
-        torch.distributed.destroy_process_group()
+    finish()  # the package's teardown: a kept last barrier, then the group torn down (no SIGABRT at exit)
 
 
 def _two_processes(root, kind, jobs):

@@ -135,7 +135,14 @@ def run_script(name: str, make_parser: Callable[..., TrlParser], main: Callable[
             if isinstance(config, TrainingArguments):
                 _check_reporting(config)
                 _set_log_level(config)
-        return main(*parsed)
+        status = main(*parsed)
+        if status == 0:
+            # every rank finished: leave the process group cleanly (not after an error, which would leave the other
+            # ranks waiting at the barrier)
+            from .. import distributed  # lazy: torch
+
+            distributed.finish()
+        return status
     except (ValueError, OSError) as err:  # bad input, a missing file or model directory: one line, no traceback
         print(f"trl-userdp: error: {err}", file=sys.stderr)
         return 2
