@@ -90,7 +90,8 @@ class UserDPArguments:
     privacy_seed: Optional[int] = dataclasses.field(
         default=None,
         repr=False,  # and masked in str() and to_dict(): see __str__
-        metadata={"help": "Seeds the privacy randomness (label flips, user sampling, noise, AboveThreshold). Leave unset in "
+        metadata={"help": "Seeds the privacy randomness (label flips, user sampling, noise, AboveThreshold, GRPO's "
+                          "sampling); must differ from `seed`. Leave unset in "
                           "deployment: anyone who knows the seed can replay the noise. Never saved: pickles of these "
                           "arguments (training_args.bin) drop it and their JSON masks it. (`seed` seeds the rest.)"},
     )
