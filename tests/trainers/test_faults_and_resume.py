@@ -164,7 +164,7 @@ def test_a_resumed_seeded_run_draws_new_noise_and_continues_the_uninterrupted_ru
 
 def test_two_resumes_from_one_checkpoint_share_no_noise_by_default(tmp_path, noise_draws):
     """Issue 39, finding 3: without a privacy_seed (the default) every process draws its secret from the OS, so two
-    runs resumed from one checkpoint draw independent noise: no coordinate of one's steps 4-6 equals the other's, and
+    runs resumed from one checkpoint draw independent noise: their steps 4-6 share almost no coordinate, and
     their difference has the variance of two independent draws (not 0, as with a replayed stream)."""
     _seeded_run(str(tmp_path / "run"), privacy_seed=None)
     checkpoint = str(tmp_path / "run" / "checkpoint-3")
@@ -174,7 +174,7 @@ def test_two_resumes_from_one_checkpoint_share_no_noise_by_default(tmp_path, noi
         _seeded_run(str(tmp_path / f"resume{resume}"), resume=checkpoint, privacy_seed=None)
         draws.append(torch.cat([d.flatten() for d in noise_draws]))
     assert draws[0].numel() == draws[1].numel() > 1000
-    assert not torch.isclose(draws[0], draws[1]).any()
+    assert float((draws[0] == draws[1]).float().mean()) < 1e-3  # a replay would repeat every coordinate
     spread = float((draws[0] - draws[1]).var() / (draws[0].var() + draws[1].var()))
     assert 0.9 < spread < 1.1, spread
 
@@ -190,7 +190,7 @@ def test_the_public_seed_decides_neither_the_users_drawn_nor_the_noise(tmp_path,
         users = trainer.privacy_engine.data_loader.user_sampler
         runs.append((torch.cat([d.flatten() for d in noise_draws]), [users.sample_users() for _ in range(20)]))
     (noise_a, users_a), (noise_b, users_b) = runs
-    assert not torch.isclose(noise_a, noise_b).any()
+    assert float((noise_a == noise_b).float().mean()) < 1e-3  # drawn from the public seed, every coordinate repeats
     assert any(not torch.equal(a, b) for a, b in zip(users_a, users_b))
 
 
