@@ -37,8 +37,18 @@ def id_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
+def _with_attention_dropout(model):
+    """A Llama whose attention layers drop out at 0.1 (a float rate TRL's ``disable_dropout_in_model`` misses)."""
+    model.config.attention_dropout = 0.1
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
+    return model
+
+
 MODELS = {"llama": tiny_llama_lm, "gpt2": tiny_gpt2_lm,
-          "gpt2_dropout": lambda vocab: tiny_gpt2_lm(vocab, dropout=0.1)}  # GPT-2's default dropout
+          "gpt2_dropout": lambda vocab: tiny_gpt2_lm(vocab, dropout=0.1),  # GPT-2's default dropout
+          "llama_attention_dropout": lambda vocab: _with_attention_dropout(tiny_llama_lm(vocab))}
 
 
 def _trainer(tmp_path, dataset, reward=id_reward, model="llama", **config):
@@ -275,23 +285,10 @@ def test_completions_are_not_drawn_from_the_public_seed(tmp_path):
 def test_dropout_under_dp_is_off_by_default_and_refused_when_asked_for(tmp_path, model):
     """GRPO's dropout is off under DP by default (TRL's GRPOConfig leaves it on), also where TRL's own switch misses it
     (Llama's attention rate); ``disable_dropout=False`` with dropout in the model is refused before training."""
-    models = {**MODELS, "llama_attention_dropout": lambda vocab: _with_attention_dropout(tiny_llama_lm(vocab))}
-    MODELS["llama_attention_dropout"] = models["llama_attention_dropout"]
-    try:
-        trainer = _trainer(tmp_path, _prompts(HONEST), model=model)
-        assert not active_dropout(trainer.model)
-        with pytest.raises(ValueError, match="disable_dropout=False with dropout in the model"):
-            _trainer(tmp_path, _prompts(HONEST), model=model, disable_dropout=False)
-    finally:
-        del MODELS["llama_attention_dropout"]
-
-
-def _with_attention_dropout(model):
-    model.config.attention_dropout = 0.1
-    for module in model.modules():
-        if hasattr(module, "attention_dropout"):
-            module.attention_dropout = 0.1
-    return model
+    trainer = _trainer(tmp_path, _prompts(HONEST), model=model)
+    assert not active_dropout(trainer.model)
+    with pytest.raises(ValueError, match="disable_dropout=False with dropout in the model"):
+        _trainer(tmp_path, _prompts(HONEST), model=model, disable_dropout=False)
 
 
 def test_the_update_is_the_accountants_noise(tmp_path):
