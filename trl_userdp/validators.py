@@ -48,9 +48,7 @@ def check_confidence(confidence: float, name: str = "confidence") -> float:
     Raises:
         ValueError: If ``confidence`` is not a real number in (0, 1).
     """
-    if not _is_real(confidence) or not 0 < confidence < 1:
-        raise ValueError(f"{name} must lie in (0, 1), got {confidence!r}.")
-    return float(confidence)
+    return _in_open_unit_interval(confidence, name)
 
 
 def check_delta(delta: float, name: str = "target_delta") -> float:
@@ -66,9 +64,13 @@ def check_delta(delta: float, name: str = "target_delta") -> float:
     Raises:
         ValueError: If ``delta`` is not a real number in (0, 1).
     """
-    if not _is_real(delta) or not 0 < delta < 1:
-        raise ValueError(f"{name} must lie in (0, 1), got {delta!r}.")
-    return float(delta)
+    return _in_open_unit_interval(delta, name)
+
+
+def _in_open_unit_interval(value: float, name: str) -> float:
+    if not _is_real(value) or not 0 < value < 1:
+        raise ValueError(f"{name} must lie in (0, 1), got {value!r}.")
+    return float(value)
 
 
 def warn_if_delta_is_large(delta: float, n_users: int) -> None:

@@ -115,4 +115,3 @@ def test_set_epoch_gives_each_epoch_fresh_draws_and_replays_an_epoch_exactly():
     resumed = UserPoissonSampler(index, users_per_batch=4, steps=30, seed=5)
     resumed.set_epoch(1)
     assert list(resumed) == epoch1
-
