@@ -1,7 +1,8 @@
 """User-level per-sample gradients on top of Opacus's grad samplers."""
 
-from .checks import check_module, supply_position_ids
+from .checks import check_module
 from .ghost import UserGhostHooks
+from .positions import RowPositions
 from .user_hooks import UserGradSampleHooks
 
-__all__ = ["UserGhostHooks", "UserGradSampleHooks", "check_module", "supply_position_ids"]
+__all__ = ["UserGhostHooks", "UserGradSampleHooks", "RowPositions", "check_module"]

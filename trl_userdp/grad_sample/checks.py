@@ -4,19 +4,13 @@ gradients against autograd's (:func:`check_unit_sums`)."""
 
 from __future__ import annotations
 
-import inspect
 import math
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 from opacus.validators import ModuleValidator
 from opacus.validators.errors import UnsupportedModuleError
 from torch import nn
-from torch.utils.hooks import RemovableHandle
-
-#: Names of learned absolute position embeddings in Hugging Face models (GPT-2, BERT, OPT, ...).
-POSITION_EMBEDDING_NAMES = ("wpe", "position_embeddings", "embed_positions")
-
 
 #: float attributes Hugging Face attention layers pass as ``dropout=`` to their attention function in training mode
 DROPOUT_RATE_ATTRIBUTES = ("attention_dropout", "attn_dropout", "attn_drop", "dropout", "dropout_p", "dropout_prob")
@@ -103,50 +97,6 @@ def check_module(module: nn.Module) -> None:
                     "gradient_checkpointing=False), or enable it with "
                     "gradient_checkpointing_kwargs={'use_reentrant': True}."
                 )
-
-
-def _has_trainable_learned_positions(module: nn.Module) -> bool:
-    return any(
-        isinstance(sub, nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_EMBEDDING_NAMES and sub.weight.requires_grad
-        for name, sub in module.named_modules()
-    )
-
-
-def supply_position_ids(module: nn.Module) -> Optional[RemovableHandle]:
-    """Pass per-row ``position_ids`` to a model with a trainable learned position embedding.
-
-    For GPT-2's ``wpe`` or BERT's ``position_embeddings``, every call that does not give them gets per-row positions
-    (not the (1, T) tensor that Opacus cannot split per row): with an ``attention_mask``, each row's own count of its
-    tokens (as ``generate`` does, so that a left-padded row's output does not depend on the other rows' lengths, and a
-    step with a cache gets the positions of its last tokens); without one, ``arange(T)``.
-
-    Args:
-        module: The model.
-
-    Returns:
-        The forward pre-hook's handle, or None if the model needs none (or its ``forward`` cannot take them).
-    """
-    if not _has_trainable_learned_positions(module):
-        return None
-    params = inspect.signature(module.forward).parameters
-    if "position_ids" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None  # cannot pass them; the hooks' row-count check raises if the gradient would be wrong
-
-    def add_position_ids(mod, args, kwargs):
-        if kwargs.get("position_ids") is not None:
-            return None
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            return None
-        batch, length = ids.shape
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] >= length:
-            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
-        else:
-            kwargs["position_ids"] = torch.arange(length, device=ids.device).repeat(batch, 1)
-        return args, kwargs
-
-    return module.register_forward_pre_hook(add_position_ids, with_kwargs=True)
 
 
 def check_unit_sums(params: Sequence[nn.Parameter], name_of: Callable[[nn.Parameter], str]) -> bool:

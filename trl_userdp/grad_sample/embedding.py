@@ -20,7 +20,7 @@ from torch import nn
 
 def _honouring_padding(sampler: Callable, what: str) -> Callable:
     """``sampler`` (one of Opacus's embedding samplers) on output gradients whose ``padding_idx`` positions are zeroed,
-    as autograd's embedding backward does.
+    as autograd's embedding backward does, and on contiguous token ids.
 
     Args:
         sampler: Opacus's sampler.
@@ -31,9 +31,10 @@ def _honouring_padding(sampler: Callable, what: str) -> Callable:
     """
     def sample(layer: nn.Embedding, activations: List[torch.Tensor],
                backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+        ids = activations[0].contiguous()  # Opacus's norm sampler views them (BERT's token types come expanded)
         if layer.padding_idx is not None:
-            backprops = backprops.masked_fill((activations[0] == layer.padding_idx).unsqueeze(-1), 0)
-        return sampler(layer, activations, backprops)
+            backprops = backprops.masked_fill((ids == layer.padding_idx).unsqueeze(-1), 0)
+        return sampler(layer, [ids, *activations[1:]], backprops)
 
     sample.__doc__ = f"Opacus's {what} of ``nn.Embedding``, without the ``padding_idx`` row."
     return sample
@@ -44,3 +45,45 @@ embedding_grad_sample = register_grad_sampler(nn.Embedding)(
     _honouring_padding(compute_embedding_grad_sample, "per-sample gradients"))
 embedding_norm_sample = register_norm_sampler(nn.Embedding)(
     _honouring_padding(compute_embedding_norm_sample, "per-sample gradient norms"))
+
+
+def _scaled(sampler: Callable) -> Callable:
+    """``sampler`` for an embedding whose output is multiplied by its constant ``embed_scale`` buffer (Gemma's
+    ``*ScaledWordEmbedding``): the output gradient times the scale, as autograd's chain rule gives."""
+    def sample(layer: nn.Embedding, activations: List[torch.Tensor],
+               backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+        return sampler(layer, activations, backprops * layer.embed_scale.to(backprops.dtype))
+
+    return sample
+
+
+#: embedding classes registered by :func:`register_scaled_embedding`: their one buffer is a constant of the layer
+SCALED_EMBEDDINGS: set = set()
+
+
+def is_scaled_embedding(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Embedding`` whose forward multiplies the lookup by a constant scalar buffer
+    ``embed_scale`` and nothing else (Gemma, Gemma 2, Gemma 3: ``GemmaTextScaledWordEmbedding`` and kin).
+
+    Args:
+        module: A layer.
+
+    Returns:
+        True for such a layer.
+    """
+    scale = getattr(module, "embed_scale", None)
+    return (isinstance(module, nn.Embedding) and isinstance(scale, torch.Tensor) and scale.numel() == 1
+            and [name for name, _ in module.named_buffers()] == ["embed_scale"])
+
+
+def register_scaled_embedding(cls: type) -> None:
+    """Register per-sample gradient and norm samplers for a scaled embedding class (:func:`is_scaled_embedding`),
+    at Opacus's extension point, and record that its buffer does not mix the rows of a batch.
+
+    Args:
+        cls: The layer's class.
+    """
+    if cls not in SCALED_EMBEDDINGS:
+        register_grad_sampler(cls)(_scaled(embedding_grad_sample))
+        register_norm_sampler(cls)(_scaled(embedding_norm_sample))
+        SCALED_EMBEDDINGS.add(cls)

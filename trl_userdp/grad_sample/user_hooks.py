@@ -20,10 +20,11 @@ from typing import Dict, List, Optional
 
 import torch
 from opacus.grad_sample import GradSampleHooks
-from opacus.utils.module_utils import trainable_modules, trainable_parameters
+from opacus.utils.module_utils import requires_grad, trainable_modules, trainable_parameters
 from torch import nn
 
-from . import embedding  # noqa: F401  (registers the samplers that honour padding_idx)
+from . import layer_norm  # noqa: F401  (registers the LayerNorm sampler that allows bias=False)
+from .embedding import SCALED_EMBEDDINGS, is_scaled_embedding, register_scaled_embedding
 
 
 class UserGradSampleHooks(GradSampleHooks):
@@ -44,7 +45,11 @@ class UserGradSampleHooks(GradSampleHooks):
     ghost = False
 
     def __init__(self, m: nn.Module, *, batch_first: bool = True, strict: bool = True, force_functorch: bool = False):
+        for sub in m.modules():
+            if is_scaled_embedding(sub):
+                register_scaled_embedding(type(sub))
         super().__init__(m, batch_first=batch_first, loss_reduction="mean", strict=strict, force_functorch=force_functorch)
+        self._clone_hooked_outputs(m)
         self.param_names: Dict[nn.Parameter, str] = {p: n for n, p in trainable_parameters(m)}
         self._pending: Optional[torch.Tensor] = None
         self._serial = 0
@@ -151,7 +156,84 @@ class UserGradSampleHooks(GradSampleHooks):
             self._counted_serial = self._serial
         return self._row_slots
 
-    # -- Opacus extension point -------------------------------------------------------
+    # -- Opacus extension points ------------------------------------------------------
+    @classmethod
+    def validate(cls, module: nn.Module, *, strict: bool = False) -> List[NotImplementedError]:
+        """Opacus's check that no trainable layer holds buffers (statistics of the batch, as BatchNorm's, are not
+        private), except the layers whose one buffer is a constant and whose samplers are registered here (Gemma's
+        scaled embeddings).
+
+        Args:
+            module: The model.
+            strict: Raise instead of returning the errors.
+
+        Returns:
+            The errors, one per layer.
+
+        Raises:
+            NotImplementedError: If ``strict`` and a layer holds buffers.
+        """
+        errors = [NotImplementedError(f"Layer {name!r} ({type(sub).__name__}) is trainable and holds buffers, "
+                                      "whose per-sample gradients Opacus does not support; freeze it or replace it.")
+                  for name, sub in trainable_modules(module)
+                  if list(sub.buffers()) and type(sub) not in SCALED_EMBEDDINGS]
+        if strict and errors:
+            raise NotImplementedError(errors)
+        return errors
+
+    def _clone_hooked_outputs(self, m: nn.Module) -> None:
+        """Give every block whose output is a hooked layer's own output (a view made by the backward hook) a copy
+        of it instead, so that a caller that adds to it in place (Falcon's ``mlp_output += attention_output``) does
+        not modify the hook's view, which autograd forbids."""
+        hooked = {module for module in self.iterate_submodules(m)}
+
+        def copy_if_hook_view(_module, _args, output):
+            if isinstance(output, torch.Tensor) and type(output.grad_fn).__name__ == "BackwardHookFunctionBackward":
+                return output.clone()
+            return None
+
+        for sub in m.modules():
+            if sub not in hooked and any(child in hooked for child in sub.children()):
+                self.autograd_grad_sample_hooks.append(sub.register_forward_hook(copy_if_hook_view))
+
+    def capture_activations_hook(self, module, forward_input, forward_output):
+        """Opacus's forward hook, for layers whose inputs are tensors with one row per row of the batch.
+
+        Args:
+            module: The layer.
+            forward_input: Its inputs.
+            forward_output: Its output.
+
+        Raises:
+            ValueError: The layer ran on a parameter, on a tensor whose first dimension is not the batch's rows, or
+                on an argument that is not a tensor.
+        """
+        if self.hooks_enabled and self._pending is not None and requires_grad(module) and module.training \
+                and torch.is_grad_enabled():
+            first = forward_input[0] if forward_input and isinstance(forward_input[0], torch.Tensor) else None
+            if first is not None and (isinstance(_root(first), nn.Parameter) or first.dim() < 2
+                                      or first.shape[0] != len(self._pending)):
+                self._shared_input(module, first)
+            if not all(isinstance(t, torch.Tensor) for t in forward_input):
+                raise ValueError(
+                    f"Layer {self._name(module)!r} ({type(module).__name__}) takes arguments that are not tensors "
+                    f"({', '.join(type(t).__name__ for t in forward_input)}; OPT's learned positions take the cache "
+                    "length): Opacus cannot compute its per-sample gradients. Freeze it (`requires_grad_(False)`)."
+                )
+        super().capture_activations_hook(module, forward_input, forward_output)
+
+    def _name(self, module: nn.Module) -> str:
+        return next((n for n, sub in self._module.named_modules() if sub is module), type(module).__name__)
+
+    def _shared_input(self, module: nn.Module, first: torch.Tensor) -> None:
+        raise ValueError(
+            f"Layer {self._name(module)!r} ran on a tensor of shape {tuple(first.shape)}, whose first dimension is not the batch's "
+            f"{len(self._pending)} rows: a computation shared by every row (as DeBERTa's relative position "
+            "embeddings) or the batch's tokens flattened into one dimension (as OPT's fc1/fc2). Its per-user "
+            "gradients cannot be separated, and summing them would put other users' data in one user's gradient. "
+            "Freeze it (`requires_grad_(False)`; with LoRA, leave it out of target_modules)."
+        )
+
     def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
         """Opacus's backward hook, then the layer's fresh per-row gradients summed into the unit slots.
 
@@ -231,3 +313,10 @@ class UserGradSampleHooks(GradSampleHooks):
         """Drop the step's per-user state and remove Opacus's hooks."""
         self.reset_step()
         super().remove_hooks()
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` is a view of (the backward hooks hand a layer a view of its input)."""
+    while t._base is not None:
+        t = t._base
+    return t
