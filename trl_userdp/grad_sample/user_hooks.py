@@ -185,7 +185,7 @@ class UserGradSampleHooks(GradSampleHooks):
         """Give every block whose output is a hooked layer's own output (a view made by the backward hook) a copy
         of it instead, so that a caller that adds to it in place (Falcon's ``mlp_output += attention_output``) does
         not modify the hook's view, which autograd forbids."""
-        hooked = {module for module in self.iterate_submodules(m)}
+        hooked = set(self.iterate_submodules(m))
 
         def copy_if_hook_view(_module, _args, output):
             if isinstance(output, torch.Tensor) and type(output.grad_fn).__name__ == "BackwardHookFunctionBackward":
@@ -211,7 +211,7 @@ class UserGradSampleHooks(GradSampleHooks):
         if self.hooks_enabled and self._pending is not None and requires_grad(module) and module.training \
                 and torch.is_grad_enabled():
             first = forward_input[0] if forward_input and isinstance(forward_input[0], torch.Tensor) else None
-            if first is not None and (isinstance(_root(first), nn.Parameter) or first.dim() < 2
+            if first is not None and (isinstance(_root(first), nn.Parameter) or first.dim() == 0
                                       or first.shape[0] != len(self._pending)):
                 self._shared_input(module, first)
             if not all(isinstance(t, torch.Tensor) for t in forward_input):
@@ -227,8 +227,8 @@ class UserGradSampleHooks(GradSampleHooks):
 
     def _shared_input(self, module: nn.Module, first: torch.Tensor) -> None:
         raise ValueError(
-            f"Layer {self._name(module)!r} ran on a tensor of shape {tuple(first.shape)}, whose first dimension is not the batch's "
-            f"{len(self._pending)} rows: a computation shared by every row (as DeBERTa's relative position "
+            f"Layer {self._name(module)!r} ran on a tensor of shape {tuple(first.shape)}, whose first dimension is "
+            f"not the batch's {len(self._pending)} rows, or on a parameter: a computation shared by every row (as DeBERTa's relative position "
             "embeddings) or the batch's tokens flattened into one dimension (as OPT's fc1/fc2). Its per-user "
             "gradients cannot be separated, and summing them would put other users' data in one user's gradient. "
             "Freeze it (`requires_grad_(False)`; with LoRA, leave it out of target_modules)."
