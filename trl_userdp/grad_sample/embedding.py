@@ -9,7 +9,7 @@ autograd does, and Opacus's samplers do the rest."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Set
 
 import torch
 from opacus.grad_sample import register_grad_sampler, register_norm_sampler
@@ -58,7 +58,7 @@ def _scaled(sampler: Callable) -> Callable:
 
 
 #: embedding classes registered by :func:`register_scaled_embedding`: their one buffer is a constant of the layer
-SCALED_EMBEDDINGS: set = set()
+SCALED_EMBEDDINGS: Set[type] = set()
 
 
 def is_scaled_embedding(module: nn.Module) -> bool:

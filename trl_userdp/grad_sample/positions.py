@@ -14,6 +14,7 @@ row (another user's) puts in front of it, so removing one user would change ever
 from __future__ import annotations
 
 import inspect
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -67,7 +68,8 @@ class RowPositions:
 
     def _read_batch(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The model's pre-hook: the batch's row count and attention mask, for the position layers' hooks."""
-        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+        given = (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None)
+        ids = next((t for t in given if isinstance(t, torch.Tensor)), None)
         mask = kwargs.get("attention_mask")
         if mask is None and self._mask_index is not None and len(args) > self._mask_index:
             mask = args[self._mask_index]
@@ -96,11 +98,13 @@ class RowPositions:
             ValueError: The positions of a row depend on the other rows' padding.
         """
         mask = self._mask[:, -positions.shape[1]:].long().to(positions.device)
-        real = mask.bool()
-        if mask.shape != (self._rows, positions.shape[1]) or real.all() or not real.any():
+        if mask.shape != (self._rows, positions.shape[1]):
             return
-        offsets = (positions.expand_as(mask) - (mask.cumsum(-1) - 1))[real]
-        if bool((offsets != offsets[0]).any()):
+        real = mask.bool()
+        offsets = (positions.expand_as(mask) - (mask.cumsum(-1) - 1)).float()  # exact below 2**24 positions
+        # one host sync per forward pass: the spread of the offsets over the real tokens (-inf if there are none)
+        spread = offsets.masked_fill(~real, -math.inf).amax() - offsets.masked_fill(~real, math.inf).amin()
+        if bool(spread > 0):
             raise ValueError(
                 f"The batch is left-padded and the model's absolute position embedding {name!r} numbers positions "
                 "from the batch's first column: a row's positions then depend on how long other users' rows are, "
