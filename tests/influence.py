@@ -14,7 +14,7 @@ import queue
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,12 +51,14 @@ def make_model(seed: int = 0, width: int = D, kind: str = "mlp") -> nn.Module:
     return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
 
 
-def row_loss(model: nn.Module, x: torch.Tensor, w: torch.Tensor, dtype: str = "fp32") -> torch.Tensor:
-    """The mean over rows of ``w · ⟨v, f(x)⟩`` (summed over positions), under bf16 autocast for "bf16-autocast"."""
+def row_loss(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, w: torch.Tensor, dtype: str = "fp32",
+             params: Optional[Iterable[nn.Parameter]] = None) -> torch.Tensor:
+    """The mean over rows of ``w · ⟨v, f(x)⟩`` (summed over positions), under bf16 autocast for "bf16-autocast"
+    (``params``: the model's parameters, when ``model`` is a call of a module rather than the module)."""
     direction = torch.linspace(-1, 1, x.shape[-1])
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16-autocast" else contextlib.nullcontext()
     with autocast:
-        out = model(x.to(next(model.parameters()).dtype))
+        out = model(x.to(next(iter(params) if params is not None else model.parameters()).dtype))
     per_row = (out.float() * direction).sum((1, 2))
     return (w * per_row).mean()
 

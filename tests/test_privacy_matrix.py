@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from trl_userdp.grad_sample import ghost
 
-from .influence import T, Rows, TwoRanks, clipped_sum, user_autograd_sum
+from .influence import D, T, Rows, TwoRanks, clipped_sum, user_autograd_sum
 
 settings.register_profile("default", max_examples=25, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -186,6 +186,12 @@ def test_the_matrix_finds_a_reintroduced_defect(monkeypatch):
 
     monkeypatch.setattr(ghost.UserGhostHooks, "_gram_norms2", per_pass_norms)
     monkeypatch.setattr(ghost, "TRUSTED_SHARE", math.inf)
+    # the first step's per-user self-check sees the wrong norms (issue 40) ...
+    rows = Rows(torch.randn(4, T, D, generator=torch.Generator().manual_seed(0)), torch.ones(4), [0, 0, 1, 1])
+    with pytest.raises(ValueError, match="recomputed on that user's rows alone"):
+        clipped_sum(rows, mode="ghost", passes=2, clip=1e-3)
+    # ... and without it, the influence property
+    monkeypatch.setattr(ghost.UserGhostHooks, "check_users", lambda *args, **kwargs: None)
     with pytest.raises(AssertionError, match="moved the sum"):
         test_no_user_moves_the_released_sum_beyond_its_sensitivity()
 

@@ -15,7 +15,7 @@ import math
 import os
 import warnings
 from itertools import chain
-from typing import IO, Any, BinaryIO, Dict, Optional, Tuple, Union
+from typing import IO, Any, BinaryIO, Dict, List, Optional, Tuple, Union
 
 import opacus
 import torch
@@ -28,7 +28,7 @@ from .accountants.events import StepEvent
 from .checkpoints import load_plain
 from .data import UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
-from .grad_sample import UserGhostHooks, UserGradSampleHooks, RowPositions, check_module
+from .grad_sample import RowPositions, RowRelativePositions, UserGhostHooks, UserGradSampleHooks, check_module
 from .grad_sample.checks import active_dropout
 from .grad_sample.ghost import PACKABLE
 from . import distributed
@@ -85,7 +85,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.budget: Optional[Tuple[float, float]] = None
         self._calibrated = False  # σ was calibrated to the budget over planned_steps
         self._affordable: Optional[int] = None
-        self._positions: Optional[RowPositions] = None
+        #: what gives each batch row its own positions (absolute, and DeBERTa's relative ones) while hooked
+        self._row_positions: List[Union[RowPositions, RowRelativePositions]] = []
 
     def make_private_user_level(
         self,
@@ -329,7 +330,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _make_optimizer(self, optimizer_class, optimizer, module, opts: SetupOptions, *, budget_guard,
                         **mechanism_options) -> UserDPOptimizer:
         """Attach the per-user hooks and wrap ``optimizer`` in the mechanism's ``optimizer_class``."""
-        self._positions = RowPositions(module)
+        self._row_positions = [RowRelativePositions(module), RowPositions(module)]
         hooks_class = UserGhostHooks if opts.grad_sample_mode == "ghost" else UserGradSampleHooks
         hooks = hooks_class(module, force_functorch=opts.grad_sample_mode == "functorch")
         if distributed.is_sharded(module):  # the hooks key their state by the parameters FSDP2 gathers
@@ -618,6 +619,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """Remove the hooks from the model (it trains normally afterwards)."""
         if self.hooks is not None:
             self.hooks.cleanup()
-        if self._positions is not None:
-            self._positions.remove()
+        for adapter in self._row_positions:
+            adapter.remove()
+        self._row_positions = []
 

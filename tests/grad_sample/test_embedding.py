@@ -42,3 +42,34 @@ def test_the_samplers_are_the_ones_opacus_uses():
     module = GradSampleModule(nn.Sequential(layer), loss_reduction="sum")
     (module(ids) * backprops).sum().backward()
     torch.testing.assert_close(layer.weight.grad_sample, _autograd_per_sample(layer, ids, backprops))
+
+
+class _OwnIds(nn.Embedding):
+    """Computes the ids it looks up from its argument (as OPT's learned positions do from the attention mask)."""
+
+    def forward(self, mask, offset=2):
+        return super().forward(mask.cumsum(-1) * mask + offset)
+
+
+def test_an_embedding_that_computes_its_ids_hands_opacus_those_ids_and_gets_its_class_back():
+    from trl_userdp.grad_sample import UserGradSampleHooks
+
+    torch.manual_seed(0)
+    layer = _OwnIds(12, 3)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    hooks = UserGradSampleHooks(layer)
+    assert type(layer) is not _OwnIds and isinstance(layer, _OwnIds)
+    hooks.set_row_users(torch.tensor([0, 1, 1]))
+    backprops = torch.randn(3, 4, 3)
+    (layer(mask, 2) * backprops).sum().backward()
+    expected = [_autograd_per_sample_own(mask[rows], backprops[rows]) for rows in ([0], [1, 2])]
+    torch.testing.assert_close(layer.weight.grad_sample, 3 * torch.stack(expected))  # Opacus's mean scaling: ×R
+    hooks.cleanup()
+    assert type(layer) is _OwnIds
+
+
+def _autograd_per_sample_own(mask, backprops):
+    torch.manual_seed(0)
+    reference = _OwnIds(12, 3)
+    (reference(mask, 2) * backprops).sum().backward()
+    return reference.weight.grad

@@ -3,6 +3,7 @@ sum stays within the clip whatever the precision, the number of backward passes 
 clipping's count covers every user of the draw."""
 
 import copy
+import functools
 import math
 
 import pytest
@@ -118,16 +119,16 @@ def test_adaptive_clipping_counts_every_physical_batch_of_the_draw():
 
 
 class _SometimesTwice(torch.nn.Module):
-    """A layer that runs once per forward pass, or twice when ``twice`` is set (ghost then materialises it)."""
+    """A layer that runs once per forward pass, or twice when ``twice`` is passed (ghost then materialises it). The
+    choice is an argument, so the forward is a function of its inputs, which the per-user self-check replays."""
 
     def __init__(self):
         super().__init__()
         self.inner = torch.nn.Linear(16, 16)
-        self.twice = False
 
-    def forward(self, x):
+    def forward(self, x, twice=False):
         h = self.inner(x)
-        return self.inner(torch.tanh(h)) if self.twice else h
+        return self.inner(torch.tanh(h)) if twice else h
 
 
 def test_a_layer_ghost_clipped_in_one_pass_and_materialised_in_the_next_is_clipped_as_their_sum():
@@ -147,8 +148,7 @@ def test_a_layer_ghost_clipped_in_one_pass_and_materialised_in_the_next_is_clipp
             grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(0))
         for x, w in loader:
             for twice in (False, True):
-                net.twice = twice
-                row_loss(net, x, w).backward()
+                row_loss(functools.partial(net, twice=twice), x, w, params=net.parameters()).backward()
             optimizer.step()
         released[mode] = torch.cat([p.grad.flatten() for p in net.parameters()])
     torch.testing.assert_close(released["ghost"], released["hooks"], rtol=1e-4, atol=1e-9)

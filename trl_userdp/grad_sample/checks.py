@@ -5,6 +5,7 @@ gradients against autograd's (:func:`check_unit_sums`)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, List, Sequence
 
 import torch
@@ -66,6 +67,11 @@ def disable_dropout(module: nn.Module) -> None:
             setattr(sub.config, field, 0.0)
 
 
+#: class names of mixture-of-experts blocks in transformers (Mixtral, Qwen-MoE, OLMoE: ``*SparseMoeBlock``; DeepSeek,
+#: Granite: ``*MoE``/``*Moe``) and of their parts (``*Experts``, ``*Router``)
+MIXTURE_OF_EXPERTS = re.compile(r"Experts$|Sparse(Moe|MoE)Block$|(Moe|MoE|MoELayer)$|Router$")
+
+
 def check_module(module: nn.Module) -> None:
     """Reject a model whose per-sample gradients would be missing or wrong.
 
@@ -74,7 +80,8 @@ def check_module(module: nn.Module) -> None:
 
     Raises:
         ValueError: If the model is in eval mode, has layers Opacus cannot compute per-sample gradients for,
-            or uses non-reentrant gradient checkpointing (it silently loses most per-sample gradients).
+            trains a mixture-of-experts block, or uses non-reentrant gradient checkpointing (it silently loses most
+            per-sample gradients).
     """
     if not module.training:
         raise ValueError("The model is in eval mode (as from_pretrained leaves it): call model.train() first; "
@@ -88,6 +95,13 @@ def check_module(module: nn.Module) -> None:
             "before creating the optimizer."
         ) from None
     for name, sub in module.named_modules():
+        if MIXTURE_OF_EXPERTS.search(type(sub).__name__) and any(p.requires_grad for p in sub.parameters()):
+            raise ValueError(
+                f"{name!r} ({type(sub).__name__}) is a mixture-of-experts block with trainable weights: it regroups the "
+                "batch's tokens by expert, so its layers never see one row per user and no user's gradient can be "
+                "separated there. Freeze it (`requires_grad_(False)` on its parameters; with LoRA, target the "
+                "attention projections only) and train the rest, which stays exact."
+            )
         if getattr(sub, "gradient_checkpointing", False) is True:
             func = getattr(sub, "_gradient_checkpointing_func", None)
             if getattr(func, "keywords", {}).get("use_reentrant") is not True:

@@ -87,3 +87,55 @@ def register_scaled_embedding(cls: type) -> None:
         register_grad_sampler(cls)(_scaled(embedding_grad_sample))
         register_norm_sampler(cls)(_scaled(embedding_norm_sample))
         SCALED_EMBEDDINGS.add(cls)
+
+
+class _LookupRecorder(nn.Embedding):
+    """Keeps the ids of its last lookup (:func:`record_lookups`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        self.looked_up = input
+        return super().forward(input)
+
+
+#: embedding class -> its recording subclass (:func:`record_lookups`), with Opacus's samplers registered
+RECORDING_EMBEDDINGS: Dict[type, type] = {}
+
+
+def computes_own_ids(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Embedding`` whose own forward turns its arguments into the ids it looks up and
+    returns the lookup (OPT's and BART's learned positions compute them from the attention mask and the cache
+    length), so that Opacus, which reads a layer's first argument as its ids, would read the wrong ones.
+
+    Args:
+        module: A layer.
+
+    Returns:
+        True for such a layer (not for a scaled embedding, whose ids are its argument).
+    """
+    return (isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
+            and not is_scaled_embedding(module) and type(module) not in RECORDING_EMBEDDINGS.values())
+
+
+def record_lookups(module: nn.Module) -> List[tuple]:
+    """Make every trainable layer of ``module`` that :func:`computes_own_ids` keep the ids it looks up: its class
+    becomes a subclass whose ``nn.Embedding.forward`` (reached through the layer's own ``super().forward``) stores
+    them as ``looked_up``; the hooks hand Opacus's embedding samplers those ids instead of the layer's arguments.
+
+    Args:
+        module: The model, changed in place.
+
+    Returns:
+        ``(layer, its original class)`` for each layer changed, to undo it.
+    """
+    changed = []
+    for sub in module.modules():
+        if computes_own_ids(sub) and sub.weight.requires_grad:
+            cls = type(sub)
+            if cls not in RECORDING_EMBEDDINGS:
+                recording = type(cls.__name__, (cls, _LookupRecorder), {"__module__": cls.__module__})
+                register_grad_sampler(recording)(embedding_grad_sample)
+                register_norm_sampler(recording)(embedding_norm_sample)
+                RECORDING_EMBEDDINGS[cls] = recording
+            sub.__class__ = RECORDING_EMBEDDINGS[cls]
+            changed.append((sub, cls))
+    return changed

@@ -46,7 +46,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import conv1d  # noqa: F401  (registers Conv1D's samplers with Opacus)
+from .embedding import RECORDING_EMBEDDINGS
 from .precision import product_margin, round_down
+from .user_check import check_user_gradients
 from .user_hooks import UserGradSampleHooks
 
 #: layer types whose per-sample gradient is a sum over positions, so packing a unit's rows along positions is exact
@@ -155,7 +157,8 @@ class UserGhostHooks(UserGradSampleHooks):
         #: the modules clipped by ghost norms; the others keep materialised per-unit sums
         self.ghost_modules: Set[nn.Module] = {
             module for _, module in trainable_modules(m)
-            if type(module) in PACKABLE and type(module) in NORM_SAMPLERS and type(module) in self.GRAD_SAMPLERS
+            if (type(module) in PACKABLE or type(module) in RECORDING_EMBEDDINGS.values())
+            and type(module) in NORM_SAMPLERS and type(module) in self.GRAD_SAMPLERS
             and all(owners[p] == 1 for _, p in trainable_parameters(module))
         }
         self.clip_factors: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
@@ -179,6 +182,8 @@ class UserGhostHooks(UserGradSampleHooks):
         self.units_seen: Set[int] = set()
         self.non_finite_units = False
         self.closed = False
+        #: the per-user self-check's norms: ``{unit code: {layer's parameters: (norm of S_u, Σ_r∈u ‖g_r‖)}}``
+        self.check_norms: Dict[int, Dict[Tuple[nn.Parameter, ...], Tuple[float, float]]] = {}
         for p in self.param_names:
             p._grad_nonzero = None
 
@@ -248,8 +253,9 @@ class UserGhostHooks(UserGradSampleHooks):
         self._counted_serial, self._row_slots = None, None
         for p in self.param_names:
             p.grad_sample = None
-            if hasattr(p, "_unit_grad"):
-                del p._unit_grad
+            for attr in ("_unit_grad", "_row_norm_units"):  # per micro-batch, by its slots
+                if hasattr(p, attr):
+                    delattr(p, attr)
 
     @property
     def units_in_step(self) -> int:
@@ -306,8 +312,10 @@ class UserGhostHooks(UserGradSampleHooks):
         self._check_open()
         # the output gradient as autograd gave it, without Opacus's copy scaled by the batch size for a mean loss: the
         # scale joins the norms and weights instead (one copy less of the largest tensor, e.g. an LM head's logits)
+        backprops = forward_output[0].detach()
         activations, backprops = self.rearrange_grad_samples(
-            module=module, backprops=forward_output[0].detach(), loss_reduction="sum", batch_first=batch_first)
+            module=module, backprops=self._per_row(backprops) if module in self._flattening else backprops,
+            loss_reduction="sum", batch_first=batch_first)
         scale = float(module.max_batch_len) if loss_reduction == "mean" else 1.0
         if not module.activations and hasattr(module, "max_batch_len"):
             del module.max_batch_len
@@ -320,9 +328,10 @@ class UserGhostHooks(UserGradSampleHooks):
             self._row_mismatch(params[0], backprops.shape[0], len(slots))
         if not len(slots):  # an empty micro-batch: no unit, nothing to clip
             return
-        if self.record_row_norms:  # the self-check's tolerance: Σ_r ‖row gradient‖ / R
+        if self.record_row_norms:  # the self-check's tolerance: Σ_r ‖row gradient‖ / R, and per unit
             for p, norms in NORM_SAMPLERS[type(module)](module, activations, backprops).items():
                 p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + scale * float(norms.sum()) / len(slots)
+                self._add_unit_row_norms(p, scale * norms.float(), slots)
         record = self._records.get(module)
         if record is None:
             record = self._records[module] = LayerRecord(params)
@@ -504,6 +513,8 @@ class UserGhostHooks(UserGradSampleHooks):
                     record.norm2, record.bound, record.rounding = self._gram_norms2(module, record.passes, row_slots)
                 norm2 += record.norm2.cpu()
                 rounding2 += record.rounding * record.bound.cpu().pow(2)
+        if self.record_row_norms:
+            self._keep_check_norms(materialised + direct)
         norm2 = torch.where(rounding2 > TRUSTED_SHARE * norm2, norm2 + rounding2, norm2)
         norms = norm2.sqrt() / counts  # (a bound on) the norm of each unit's average
         bad = ~torch.isfinite(norms)
@@ -546,6 +557,50 @@ class UserGhostHooks(UserGradSampleHooks):
         self.units_seen.update(self.unit_ids)
         self.non_finite_units |= bool(bad.any())
         self._reset_micro_batch()
+
+    def _keep_check_norms(self, per_param: List[Tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """For the per-user self-check: the checked users' sums' norms in this micro-batch, per layer on the Gram
+        route and per parameter otherwise, with the sums of their row-gradient norms there.
+
+        Args:
+            per_param: The materialised and direct-route ``(parameter, [U, *p.shape] sums)``.
+        """
+        wanted = {u: slot for u, slot in self._slot_of.items() if u in self.user_check.users}
+        groups = [((p,), torch.linalg.vector_norm(sums.flatten(1), dim=1, dtype=torch.float32).cpu())
+                  for p, sums in per_param]
+        groups += [(tuple(r.params), r.norm2.sqrt().cpu()) for r in self._records.values() if r.unit_grads is None]
+        for params, norms in groups:
+            for user, slot in wanted.items():
+                rows = sum(float(p._row_norm_units[slot]) for p in params
+                           if slot < len(getattr(p, "_row_norm_units", ())))
+                self.check_norms.setdefault(user, {})[params] = (float(norms[slot]), rows)
+
+    def check_users(self, params: List[nn.Parameter], unit_sums: Optional[List[torch.Tensor]] = None) -> None:
+        """The per-user half of the first step's self-check on norms, as ghost clipping keeps no per-user gradient:
+        each checked user's norm per layer (Gram route) or parameter against its recomputation on its own rows.
+
+        Args:
+            params: The parameters (as the hooks key them).
+            unit_sums: Unused (ghost clipping has none).
+
+        Raises:
+            ValueError: A user's norm differs from its recomputation's.
+        """
+        references = self.user_check.references(params, self._quiet)
+        if references is None:
+            return
+        index = {p: i for i, p in enumerate(params)}
+        keys = [k for k in dict.fromkeys(k for kept in self.check_norms.values() for k in kept)
+                if all(p in index for p in k)]
+
+        def kept(user: int, g: int, which: int) -> Optional[float]:
+            value = self.check_norms.get(user, {}).get(keys[g])
+            return None if value is None else value[which]
+
+        check_user_gradients(
+            [[index[p] for p in k] for k in keys], params, references,
+            lambda u, g: None if kept(u, g, 0) is None else torch.tensor([kept(u, g, 0)]),
+            lambda u, g: kept(u, g, 1) or 0.0, lambda p: self.param_names.get(p, "?"), norms_only=True)
 
     def _add_check_sums(self, module: nn.Module, record: LayerRecord, n_rows: int) -> None:
         """Add a record's ``Σ_r ∇ℓ_r / R`` (each pass's) to the self-check's sums (the hooks add the materialised

@@ -16,7 +16,8 @@ AUP-RLHF Alg. 4's ``g_u``) in place before clipping.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import contextlib
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from opacus.grad_sample import GradSampleHooks
@@ -24,7 +25,13 @@ from opacus.utils.module_utils import requires_grad, trainable_modules, trainabl
 from torch import nn
 
 from . import layer_norm  # noqa: F401  (registers the LayerNorm sampler that allows bias=False)
-from .embedding import SCALED_EMBEDDINGS, is_scaled_embedding, register_scaled_embedding
+from .embedding import SCALED_EMBEDDINGS, is_scaled_embedding, record_lookups, register_scaled_embedding
+from .user_check import UserCheck, check_user_gradients
+
+
+#: blocks (by class name) that run their feed-forward layers on the batch's tokens flattened row by row,
+#: ``hidden_states.reshape(-1, d)`` of ``[R, T, d]``: their layers' inputs and output gradients are viewed as ``[R, T, …]``
+FLATTENING_BLOCKS = frozenset({"OPTDecoderLayer"})
 
 
 class UserGradSampleHooks(GradSampleHooks):
@@ -48,12 +55,21 @@ class UserGradSampleHooks(GradSampleHooks):
         for sub in m.modules():
             if is_scaled_embedding(sub):
                 register_scaled_embedding(type(sub))
+        #: embeddings that compute the ids they look up (OPT's positions), made to keep them; undone on removal
+        self._recorded_lookups = record_lookups(m)
         super().__init__(m, batch_first=batch_first, loss_reduction="mean", strict=strict, force_functorch=force_functorch)
         self._clone_hooked_outputs(m)
+        #: hooked layers inside blocks that flatten the batch's tokens into one dimension (:data:`FLATTENING_BLOCKS`)
+        self._flattening = {sub for block in m.modules() if type(block).__name__ in FLATTENING_BLOCKS
+                            for sub in block.modules() if sub in set(self.iterate_submodules(block))}
         self.param_names: Dict[nn.Parameter, str] = {p: n for n, p in trainable_parameters(m)}
         self._pending: Optional[torch.Tensor] = None
         self._serial = 0
+        #: the first step's self-check is pending: record what it compares (sums, row norms, the model's passes)
         self.record_row_norms = False
+        #: the per-user part of the self-check (:mod:`~trl_userdp.grad_sample.user_check`)
+        self.user_check = UserCheck(m)
+        self.autograd_grad_sample_hooks.append(m.register_forward_hook(self._record_forward, with_kwargs=True))
         self.reset_step()
 
     # -- the row -> unit map -------------------------------------------------------------
@@ -124,9 +140,10 @@ class UserGradSampleHooks(GradSampleHooks):
         self.unit_norms: List[torch.Tensor] = []
         if clear_pending:
             self._pending = None
+        self.user_check.reset()
         for p in self.param_names:
             p.grad_sample = None
-            for attr in ("_unit_grad", "_row_norm_sum", "_check_sum"):
+            for attr in ("_unit_grad", "_row_norm_sum", "_row_norm_units", "_check_sum"):
                 if hasattr(p, attr):
                     delattr(p, attr)
 
@@ -208,6 +225,10 @@ class UserGradSampleHooks(GradSampleHooks):
             ValueError: The layer ran on a parameter, on a tensor whose first dimension is not the batch's rows, or
                 on an argument that is not a tensor.
         """
+        if hasattr(module, "looked_up"):  # an embedding that computes its ids: Opacus's samplers take those
+            forward_input = (module.__dict__.pop("looked_up"),)
+        elif module in self._flattening and forward_input:
+            forward_input = (self._per_row(forward_input[0]),) + tuple(forward_input[1:])
         if self.hooks_enabled and self._pending is not None and requires_grad(module) and module.training \
                 and torch.is_grad_enabled():
             first = forward_input[0] if forward_input and isinstance(forward_input[0], torch.Tensor) else None
@@ -217,10 +238,17 @@ class UserGradSampleHooks(GradSampleHooks):
             if not all(isinstance(t, torch.Tensor) for t in forward_input):
                 raise ValueError(
                     f"Layer {self._name(module)!r} ({type(module).__name__}) takes arguments that are not tensors "
-                    f"({', '.join(type(t).__name__ for t in forward_input)}; OPT's learned positions take the cache "
-                    "length): Opacus cannot compute its per-sample gradients. Freeze it (`requires_grad_(False)`)."
+                    f"({', '.join(type(t).__name__ for t in forward_input)}): Opacus cannot compute its per-sample "
+                    "gradients. Freeze it (`requires_grad_(False)`)."
                 )
         super().capture_activations_hook(module, forward_input, forward_output)
+
+    def _per_row(self, t):
+        """A tensor of a flattening block's layer, ``[R·T, d]`` viewed as ``[R, T, d]`` (as it is otherwise)."""
+        rows = None if self._pending is None else len(self._pending)
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and rows and t.shape[0] != rows and t.shape[0] % rows == 0:
+            return t.view(rows, t.shape[0] // rows, t.shape[1])
+        return t
 
     def _name(self, module: nn.Module) -> str:
         return next((n for n, sub in self._module.named_modules() if sub is module), type(module).__name__)
@@ -228,10 +256,10 @@ class UserGradSampleHooks(GradSampleHooks):
     def _shared_input(self, module: nn.Module, first: torch.Tensor) -> None:
         raise ValueError(
             f"Layer {self._name(module)!r} ran on a tensor of shape {tuple(first.shape)}, whose first dimension is "
-            f"not the batch's {len(self._pending)} rows, or on a parameter: a computation shared by every row (as DeBERTa's relative position "
-            "embeddings) or the batch's tokens flattened into one dimension (as OPT's fc1/fc2). Its per-user "
-            "gradients cannot be separated, and summing them would put other users' data in one user's gradient. "
-            "Freeze it (`requires_grad_(False)`; with LoRA, leave it out of target_modules)."
+            f"not the batch's {len(self._pending)} rows, or on a parameter: a computation shared by every row, or "
+            "the batch's tokens regrouped across rows. Its per-user gradients cannot be separated, and summing them "
+            "would put other users' data in one user's gradient. Freeze it (`requires_grad_(False)`; with LoRA, "
+            "leave it out of target_modules)."
         )
 
     def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
@@ -250,6 +278,8 @@ class UserGradSampleHooks(GradSampleHooks):
         """
         if not self.hooks_enabled:
             return
+        if module in self._flattening:
+            forward_output = (self._per_row(forward_output[0]),) + tuple(forward_output[1:])
         super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
         for _, p in trainable_parameters(module):
             fresh = p.grad_sample is not None and p.grad_sample is not getattr(p, "_unit_grad", None)
@@ -273,10 +303,64 @@ class UserGradSampleHooks(GradSampleHooks):
             # of its rows) and the size of the summed terms
             n = len(slots)
             p._check_sum = getattr(p, "_check_sum", 0.0) + rows.sum(0) / n
-            p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + float(torch.linalg.vector_norm(rows.flatten(1), dim=1).sum()) / n
+            row_norms = torch.linalg.vector_norm(rows.flatten(1), dim=1, dtype=torch.float32)
+            p._row_norm_sum = getattr(p, "_row_norm_sum", 0.0) + float(row_norms.sum()) / n
+            self._add_unit_row_norms(p, row_norms, slots)
         p._unit_grad = acc
         p.grad_sample = acc
         p._row_dtype = rows.dtype  # the self-check's tolerance follows it (bf16 rows under autocast)
+
+    def _add_unit_row_norms(self, p: nn.Parameter, row_norms: torch.Tensor, slots: torch.Tensor) -> None:
+        """Add each row's gradient norm in ``p`` to its unit's sum (the per-user self-check's tolerance)."""
+        sums = torch.zeros(len(self.unit_ids))
+        sums.index_add_(0, slots.cpu(), row_norms.float().cpu())
+        old = getattr(p, "_row_norm_units", None)
+        if old is not None:
+            sums[: len(old)] += old
+        p._row_norm_units = sums
+
+    def _record_forward(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        """The model's forward hook: while the self-check is pending, record each training pass for the per-user
+        recomputation (its outputs are handed on tapped, :meth:`UserCheck.record`)."""
+        if self.record_row_norms and self.hooks_enabled and self._pending is not None and module.training \
+                and torch.is_grad_enabled():
+            return self.user_check.record(args, kwargs, output, self._pending)
+        return None
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Forward and backward passes in the block leave nothing in the hooks."""
+        enabled, self.hooks_enabled = self.hooks_enabled, False
+        try:
+            yield
+        finally:
+            self.hooks_enabled = enabled
+
+    def check_users(self, params: List[nn.Parameter], unit_sums: Optional[List[torch.Tensor]]) -> None:
+        """The per-user half of the first step's self-check: each checked user's sum ``S_u`` from the hooks against
+        its recomputation on its own rows (:class:`~trl_userdp.grad_sample.user_check.UserCheck`).
+
+        Args:
+            params: The parameters (as the hooks key them).
+            unit_sums: Each parameter's per-unit sums ``[U, *p.shape]`` of the step, before averaging.
+
+        Raises:
+            ValueError: A user's sum differs from its recomputation.
+        """
+        references = self.user_check.references(params, self._quiet)
+        if references is None:
+            return
+
+        def observed(user: int, i: int) -> Optional[torch.Tensor]:
+            slot = self._slot_of.get(user)
+            return None if slot is None or slot >= unit_sums[i].shape[0] else unit_sums[i][slot].flatten()
+
+        def row_norms(user: int, i: int) -> float:
+            slot, sums = self._slot_of.get(user), getattr(params[i], "_row_norm_units", None)
+            return 0.0 if slot is None or sums is None or slot >= len(sums) else float(sums[slot])
+
+        check_user_gradients([[i] for i in range(len(params))], params, references, observed, row_norms,
+                             lambda p: self.param_names.get(p, "?"))
 
     @staticmethod
     def _unit_sums(p: nn.Parameter, n_units: int, like: torch.Tensor) -> torch.Tensor:
@@ -310,9 +394,12 @@ class UserGradSampleHooks(GradSampleHooks):
         )
 
     def remove_hooks(self) -> None:
-        """Drop the step's per-user state and remove Opacus's hooks."""
+        """Drop the step's per-user state, remove Opacus's hooks and give recording embeddings their class back."""
         self.reset_step()
         super().remove_hooks()
+        for sub, cls in self._recorded_lookups:
+            sub.__class__ = cls
+        self._recorded_lookups = []
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

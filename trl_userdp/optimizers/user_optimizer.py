@@ -20,6 +20,7 @@ from ..grad_sample import UserGradSampleHooks
 from ..grad_sample.checks import check_unit_sums
 from ..grad_sample.precision import product_margin, round_down
 from ..seeding import derive_seed
+from .weight_guard import WeightGuard
 
 
 class PrivacyBudgetExhausted(RuntimeError):
@@ -43,8 +44,10 @@ class UserDPOptimizer(DPOptimizer):
         expected_batch_size: ñ, expected units per step (``users_per_batch``); the noisy sum is
             divided by it whatever the step's actual number of users.
         hooks: the :class:`UserGradSampleHooks` attached to the model.
-        self_check: on the first non-empty single-batch step, check that the per-unit gradients
-            add up to autograd's gradient (``p.grad = Σ_u S_u / R``) and refuse to train if not.
+        self_check: on the first non-empty step, check that the per-unit gradients add up to autograd's gradient
+            (``p.grad = Σ_u S_u / R``) and that a few users' equal their recomputation on their own rows, and on the
+            first update that should move a weight, that it moved and no frozen weight did
+            (:class:`~trl_userdp.optimizers.weight_guard.WeightGuard`); refuse to train if not.
         budget_guard: called before every step; raises :class:`PrivacyBudgetExhausted` if the step
             would exceed the budget (the engine installs one that reads its accountant).
     """
@@ -85,6 +88,10 @@ class UserDPOptimizer(DPOptimizer):
         self.hooks = hooks
         self.noise_seed, self.step_index = noise_seed, step_index
         self.self_check = hooks.record_row_norms = self_check
+        #: checks the first update that should move a weight (with the self-check)
+        self.weight_guard = WeightGuard(hooks._module, optimizer, hooks.param_names) if self_check else None
+        if self.weight_guard is not None:
+            self.weight_guard.attach(optimizer)
         self.budget_guard = budget_guard
         #: with True, a step the budget cannot pay for is skipped (no update, nothing accounted) instead of
         #: raising; the trainers use it so that training ends cleanly
@@ -138,7 +145,7 @@ class UserDPOptimizer(DPOptimizer):
             out.append(sums)
         bad = self._non_finite_units(out)
         if self.self_check and n_units > 0:
-            if bad is None and self._self_check():  # otherwise autograd's sum is not finite: a later step
+            if bad is None and self._self_check(out):  # otherwise autograd's sum is not finite: a later step
                 self.self_check = self.hooks.record_row_norms = False
         for g in out:
             g.div_(counts.to(g.device, g.dtype).view(-1, *([1] * (g.dim() - 1))))
@@ -189,10 +196,21 @@ class UserDPOptimizer(DPOptimizer):
                 stacklevel=4,
             )
 
-    def _self_check(self) -> bool:
-        """:func:`~trl_userdp.grad_sample.checks.check_unit_sums` on this step (refuse to train if the per-user
-        gradients do not add up to autograd's)."""
-        return check_unit_sums(self.params, self._param_name)
+    def _self_check(self, unit_sums: Optional[List[torch.Tensor]] = None) -> bool:
+        """The first step's self-check (refuse to train if the per-user gradients are wrong): their sum against
+        autograd's gradient (:func:`~trl_userdp.grad_sample.checks.check_unit_sums`), then a few users' gradients
+        against their recomputation on their own rows (:meth:`UserGradSampleHooks.check_users`).
+
+        Args:
+            unit_sums: The per-unit sums, in :attr:`params` order (None under ghost clipping).
+
+        Returns:
+            True when checked, False when deferred (autograd's sum is not finite).
+        """
+        if not check_unit_sums(self.params, self._param_name):
+            return False
+        self.hooks.check_users([self._hooked(p) for p in self.params], unit_sums)
+        return True
 
     def key_randomness(self) -> None:
         """With ``noise_seed``: seed this step's noise from ``(noise_seed, step_index())``."""
@@ -373,11 +391,12 @@ class StopTogether:
             The wrapped ``pre_step``'s result.
 
         Raises:
-            ValueError: this rank's check failed, or another rank's did.
+            Exception: this rank's check failed (its own error).
+            ValueError: another rank's did.
         """
         try:
             result, error = super().pre_step(closure), None
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 - any failure here must reach the other ranks before it is raised
             result, error = None, err
         failed = torch.tensor([float(error is not None)], device=self.params[0].device if self.params else "cpu")
         torch.distributed.all_reduce(failed)
