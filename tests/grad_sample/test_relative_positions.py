@@ -28,8 +28,11 @@ def test_a_version_that_computes_the_bias_otherwise_is_refused_by_name(monkeypat
     original = relative_positions.DisentangledSelfAttention.disentangled_attention_bias
     monkeypatch.setattr(relative_positions.DisentangledSelfAttention, "disentangled_attention_bias",
                         lambda *args: 2 * original(*args))
+    model = build("DeBERTa-v3", "reward", "full", torch.float32)
+    classes = [type(m) for m in model.modules()]
     with pytest.raises(ValueError, match="DeBERTa attention layer 'deberta.encoder.layer.0.attention.self'"):
-        RowRelativePositions(build("DeBERTa-v3", "reward", "full", torch.float32))
+        RowRelativePositions(model)
+    assert [type(m) for m in model.modules()] == classes  # left as it was
 
 
 def test_models_without_relative_positions_are_left_alone():

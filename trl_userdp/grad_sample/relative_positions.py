@@ -138,12 +138,16 @@ class RowRelativePositions:
         self.swapped: List[Tuple[nn.Module, type]] = []
         if DebertaV2Encoder is None:
             return
-        for name, sub in module.named_modules():
-            if type(sub) is DebertaV2Encoder and sub.relative_attention:
-                self._swap(sub, RowRelativeEncoder)
-            elif type(sub) is DisentangledSelfAttention and sub.relative_attention:
-                self._swap(sub, RowRelativeAttention)
-                _check_same_bias(name, sub)
+        try:
+            for name, sub in module.named_modules():
+                if type(sub) is DebertaV2Encoder and sub.relative_attention:
+                    self._swap(sub, RowRelativeEncoder)
+                elif type(sub) is DisentangledSelfAttention and sub.relative_attention:
+                    self._swap(sub, RowRelativeAttention)
+                    _check_same_bias(name, sub)
+        except ValueError:
+            self.remove()  # the model as the user gave it
+            raise
 
     def _swap(self, sub: nn.Module, cls: type) -> None:
         self.swapped.append((sub, type(sub)))

@@ -148,8 +148,8 @@ class UserCheck:
 
         def tap(t: torch.Tensor) -> torch.Tensor:
             # the caller gets a view of each output (no copy) with a hook on it: the view carries the gradient of the
-            # caller's own uses alone, not of the model's uses inside its forward (a loss it computes); a hook
-            # registered before the caller modifies the view in place still sees the gradient of the model's value
+            # caller's own uses alone, not of the model's uses inside its forward (a loss it computes); a caller that
+            # modifies the view in place detaches the hook, and the check then says that it could not run
             if id(t) not in tapped:
                 index = len(tapped)
                 tapped[id(t)] = t
@@ -231,6 +231,8 @@ class UserCheck:
         with torch.enable_grad(), _autocast(recorded.autocast):
             outputs = output_tensors(self.model(*args, **kwargs))
         pairs = [(outputs[i], kept[user]) for i, kept in recorded.grads.items() if user in kept]
+        if not pairs:  # no output of this pass reached the loss
+            return [None] * len(params)
         for p in params:
             p.grad = None
         with warnings.catch_warnings():  # torch's notice about input layers, which the step's own pass already gave

@@ -60,8 +60,9 @@ class UserGradSampleHooks(GradSampleHooks):
         super().__init__(m, batch_first=batch_first, loss_reduction="mean", strict=strict, force_functorch=force_functorch)
         self._clone_hooked_outputs(m)
         #: hooked layers inside blocks that flatten the batch's tokens into one dimension (:data:`FLATTENING_BLOCKS`)
+        hooked = set(self.iterate_submodules(m))
         self._flattening = {sub for block in m.modules() if type(block).__name__ in FLATTENING_BLOCKS
-                            for sub in block.modules() if sub in set(self.iterate_submodules(block))}
+                            for sub in block.modules() if sub in hooked}
         self.param_names: Dict[nn.Parameter, str] = {p: n for n, p in trainable_parameters(m)}
         self._pending: Optional[torch.Tensor] = None
         self._serial = 0

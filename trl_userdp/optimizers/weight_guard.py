@@ -6,7 +6,8 @@ unusable (opacus #820): the optimizer's update and the model's weights had parte
 frozen weight that changes is worse still: a change nobody clipped, noised or accounted (a layer that writes its
 inputs into a frozen buffer-like parameter in its forward). :class:`WeightGuard` compares exact fingerprints of the
 weights around the first update that should move something (a group with a learning rate above 0) and stops
-training with the weight's name.
+training with the weight's name. Under data parallelism every rank holds the same weights and applies the same update,
+so every rank reaches the same verdict on the trained weights.
 """
 
 from __future__ import annotations
