@@ -52,6 +52,9 @@ from tqdm.auto import tqdm
 from benchmarks.common import RESULTS_DIR, print_table, write_results
 
 WORKLOADS = ("minilm_full", "minilm_lora", "llama_full", "llama_lora")
+#: realistic sizes, random weights from the architecture's configuration (nothing downloaded): on a CPU SmolLM-135M's
+#: shape (a Llama with tied embeddings); on a GPU Qwen2.5-0.5B's and Llama-3.2-1B's
+REALISTIC = ("smollm135m_full", "smollm135m_lora", "qwen0.5b_full", "qwen0.5b_lora", "llama1b_full", "llama1b_lora")
 
 
 # -- memory -------------------------------------------------------------------------------------
@@ -106,6 +109,29 @@ def _llama(lora: bool) -> nn.Module:
     return _lora(model, ["q_proj", "v_proj"], "CAUSAL_LM") if lora else model
 
 
+#: the configurations of the realistic workloads (SmolLM-135M, Qwen2.5-0.5B, Llama-3.2-1B), as published with them
+SHAPES = {
+    "smollm135m": ("LlamaConfig", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                       num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)),
+    "qwen0.5b": ("Qwen2Config", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                     num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama1b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+                                    head_dim=64)),
+}
+
+
+def _realistic(family: str, lora: bool) -> nn.Module:
+    import transformers
+
+    config_class, shape = SHAPES[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(
+        max_position_embeddings=4096, **shape))
+    return _lora(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                 "CAUSAL_LM") if lora else model
+
+
 def _lora(model: nn.Module, targets: List[str], task: str) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -137,6 +163,8 @@ def workload(name: str) -> Tuple[Callable[[], nn.Module], Callable, int]:
     family, kind = name.split("_")
     if family == "minilm":
         return (lambda: _minilm(kind == "lora")), reward_losses, 30522
+    if family in SHAPES:
+        return (lambda: _realistic(family, kind == "lora")), lm_losses, SHAPES[family][1]["vocab_size"]
     return (lambda: _llama(kind == "lora")), lm_losses, 32000
 
 
@@ -340,7 +368,7 @@ def _one_process_group(device: torch.device, wanted: bool):
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS + REALISTIC)
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16], help="rows per user")
     parser.add_argument("--rows", type=int, default=16, help="rows per (micro-)batch")
     parser.add_argument("--seq", type=int, default=128, help="tokens per row")

@@ -215,3 +215,35 @@ def test_one_row_per_user_uses_the_rows_themselves(route):
         optimizer.step()
         results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert rel_err(results[1], results[0]) < 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_after_the_self_check_autograd_computes_no_weight_gradient_for_ghost_layers(name):
+    """From the second step on, a ghost layer's weights are marked as not needing autograd's gradient while the layer's
+    operation is recorded (the clipped sum is book-kept from its activations): no gradient reaches them, and two steps
+    still equal the materialised path's."""
+    released = {}
+    for mode in ("hooks", "ghost"):
+        engine, model, optimizer, loader, _ = make_private(MODELS[name](), grad_sample_mode=mode, max_grad_norm=0.05)
+        accumulated, first_layers = [], set()  # first layers: ghost layers whose input needs no gradient (token ids)
+        for p in optimizer.params:
+            p.register_post_accumulate_grad_hook(lambda q: accumulated.append(id(q)))
+        for m in getattr(engine.hooks, "ghost_modules", ()):
+            m.register_forward_pre_hook(lambda m, args: None if args[0].requires_grad else first_layers.update(
+                id(p) for p in m.parameters() if p.requires_grad))
+        for step in range(2):
+            optimizer.zero_grad()
+            accumulated.clear()
+            batch, _ = first_batch(engine, min_users=3)
+            btl_pair_losses(model, batch).mean().backward()
+            if mode == "ghost":
+                ghost = {p for m in engine.hooks.ghost_modules for p in m.parameters() if p.requires_grad}
+                assert all(p.requires_grad for p in ghost)  # trainable again after the forward pass
+                reached = set(accumulated) & {id(p) for p in ghost}
+                if step == 0:  # the first step's self-check needs autograd's gradient
+                    assert reached == {id(p) for p in ghost}
+                else:  # afterwards, only layers whose input needs no gradient (else the backward would skip them)
+                    assert reached == first_layers and len(first_layers) < len(ghost)
+            optimizer.step()
+        released[mode] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert rel_err(released["ghost"], released["hooks"]) < 1e-6

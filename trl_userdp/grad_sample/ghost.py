@@ -167,6 +167,8 @@ class UserGhostHooks(UserGradSampleHooks):
         self.shards: Optional[Dict[nn.Parameter, nn.Parameter]] = None
         self._placeholder = False
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._drop_grad) for p in self.param_names]
+        self.autograd_grad_sample_hooks.extend(
+            module.register_forward_pre_hook(self._without_weight_gradient) for module in self.ghost_modules)
         #: how packable layers' unit norms are computed: "auto" (the cheaper per layer), "gram" or "direct"
         self.norm_route = "auto"
 
@@ -198,6 +200,22 @@ class UserGhostHooks(UserGradSampleHooks):
         nonzero = p.grad.ne(0).any()
         p._grad_nonzero = nonzero if getattr(p, "_grad_nonzero", None) is None else p._grad_nonzero | nonzero
         p.grad = None
+
+    def _without_weight_gradient(self, module: nn.Module, args: tuple) -> None:
+        """A ghost layer's forward pre-hook: autograd need not compute its weights' gradient (the unclipped sum, which
+        the update does not use; the clipped sum comes from the stored activations and output gradients), so its
+        weights are marked as not needing one while the layer's operation is recorded, and marked again in
+        :meth:`capture_activations_hook` right after. That saves one matrix product per layer in the backward pass.
+        Only where the layer's input needs a gradient (otherwise its output would need none and the backward pass
+        would never reach it), on one process's model (not under FSDP2), and not while the self-check needs
+        autograd's gradient."""
+        if (self.hooks_enabled and not self.record_row_norms and self.shards is None and module.training
+                and torch.is_grad_enabled() and module in self.ghost_modules and args
+                and isinstance(args[0], torch.Tensor) and args[0].requires_grad):
+            weights = [p for _, p in trainable_parameters(module)]
+            for p in weights:
+                p.requires_grad_(False)
+            module._weights_marked = weights
 
     def use_gathered_parameters(self, gathered: Dict[nn.Parameter, nn.Parameter]) -> None:
         """Key the per-parameter state by the parameters FSDP2 gathers while a layer runs (one object per sharded
@@ -286,6 +304,8 @@ class UserGhostHooks(UserGradSampleHooks):
             forward_input: Its inputs.
             forward_output: Its output.
         """
+        for p in module.__dict__.pop("_weights_marked", ()):  # trainable again, as soon as the operation is recorded
+            p.requires_grad_(True)
         super().capture_activations_hook(module, forward_input, forward_output)
         if module in self.ghost_modules and any(p._forward_counter > 1 for _, p in trainable_parameters(module)):
             self.ghost_modules.discard(module)  # runs twice per pass: cross terms between its calls; materialise it
