@@ -303,9 +303,12 @@ def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, 
         kinds["fsdp2 non-private"] = lambda mod: Sharded(NonPrivate, mod, losses, rows)
         for m in ms:
             kinds[f"fsdp2 user ghost m={m}"] = lambda mod, m=m: Sharded(UserLevel, mod, losses, rows, m=m, mode="ghost")
-    methods = {}
+    methods, refused = {}, {}
     for kind, build in kinds.items():
-        methods[kind] = build(copy.deepcopy(base))
+        try:
+            methods[kind] = build(copy.deepcopy(base))
+        except (NotImplementedError, ValueError) as err:  # e.g. Opacus's ghost clipping on tied embeddings
+            refused[kind] = {"refused": f"{type(err).__name__}: {err}"}
     cells = measure(methods, batch, steps, memory, name)
     ref = cells["non-private"]
     for kind, cell in cells.items():
@@ -317,7 +320,50 @@ def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, 
                                 else float("nan"))
     del methods
     gc.collect()
-    return {"parameters": parameter_count(base), "cells": cells}
+    return {"parameters": parameter_count(base), "cells": {**cells, **refused}}
+
+
+#: where a step's time goes: (part, profiler entries whose inclusive CPU time it is, or whose own time for an operator)
+PROFILE_PARTS = [
+    ("whole step", r"benchmarks/step_cost\.py\(\d+\): step$"),
+    ("forward pass and loss", r"benchmarks/step_cost\.py\(\d+\): (lm|reward)_losses$"),
+    ("  per-user forward hooks", r"trl_userdp/grad_sample/ghost\.py\(\d+\): capture_activations_hook$"),
+    ("backward pass", r"torch/autograd/__init__\.py\(\d+\): backward$"),
+    ("  per-user norms (backward hooks)", r"trl_userdp/grad_sample/ghost\.py\(\d+\): capture_backprops_hook$"),
+    ("optimizer step", r"trl_userdp/optimizers/user_optimizer\.py\(\d+\): step$|^Optimizer\.step#AdamW\.step$"),
+    ("  clipping and book-kept sums", r"trl_userdp/grad_sample/ghost\.py\(\d+\): _flush$"),
+    ("  noise", r"^aten::normal_$"),
+    ("  AdamW", r"^Optimizer\.step#AdamW\.step$"),
+]
+
+
+def profile_step(method, batch) -> Dict[str, float]:
+    """Seconds of one step of ``method`` in each of :data:`PROFILE_PARTS` (torch.profiler on the CPU, Python stacks
+    on; the profiler's own overhead is in every part)."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    method.step(batch)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        method.step(batch)
+    events = prof.key_averages()
+    out = {}
+    for part, pattern in PROFILE_PARTS:
+        own = pattern.startswith("^aten::")
+        out[part] = sum((e.self_cpu_time_total if own else e.cpu_time_total) for e in events
+                        if re.search(pattern, e.key)) / 1e6
+    return out
+
+
+def run_profile(name: str, rows: int, seq: int, m: int, device: torch.device) -> Dict[str, Dict[str, float]]:
+    """The profile of a non-private and a user-level ghost step (``m`` rows per user) of one workload."""
+    factory, losses, vocab = workload(name)
+    base = factory().to(device)
+    base.train()
+    batch = make_batch(rows, seq, vocab, device)
+    return {"non-private": profile_step(NonPrivate(copy.deepcopy(base), losses, rows), batch),
+            f"user ghost m={m}": profile_step(UserLevel(copy.deepcopy(base), losses, rows, m=m, mode="ghost"), batch)}
 
 
 def run_scaling(user_counts: Sequence[int], m: int, rows: int, seq: int, device: torch.device, memory: Memory,
@@ -380,6 +426,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--fsdp2", action="store_true",
                         help="add the full workloads sharded by FSDP2 over this one process (non-private and user ghost)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one non-private and one user ghost step (m = the first of --ms) of the first "
+                             "workload: the time of each part of the step")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--name", default="step_cost")
     args = parser.parse_args(argv)
@@ -390,7 +439,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                    for name in tqdm(args.workloads, desc="workloads")}
     header = ["workload", "method", "median s", "min s", "time ×", "peak extra MB", "memory ×"]
     rows = [[w, k, f"{c['median_s']:.3f}", f"{c['min_s']:.3f}", f"{c['time_ratio']:.2f}",
-             f"{c['peak_extra_bytes'] / 2**20:.0f}", f"{c['memory_ratio']:.2f}"]
+             f"{c['peak_extra_bytes'] / 2**20:.0f}", f"{c['memory_ratio']:.2f}"] if "refused" not in c else
+            [w, k, "refused", "", "", "", c["refused"].split(":")[1][:40].strip()]
             for w, r in results.items() for k, c in r["cells"].items()]
     print(f"\nOne step, {args.rows} rows of {args.seq} tokens, AdamW, σ = 1, C = 1, on {device}; ratios to non-private "
           f"(median time; peak extra memory), {args.steps} interleaved rounds")
@@ -412,10 +462,20 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             srows.append(row)
         tables.append(print_table(["users", "ghost s/step", "ghost peak extra MB", "hooks s/step",
                                    "hooks peak extra MB"], srows))
+    profile = None
+    if args.profile:
+        profile = run_profile(args.workloads[0], args.rows, args.seq, args.ms[0], device)
+        print(f"\nWhere a step's time goes: {args.workloads[0]}, one step each under torch.profiler (seconds; share of "
+              "the user-level step)")
+        ghost = profile[f"user ghost m={args.ms[0]}"]
+        tables.append(print_table(
+            ["part", "non-private s", f"user ghost m={args.ms[0]} s", "share"],
+            [[part, f"{profile['non-private'][part]:.2f}", f"{ghost[part]:.2f}",
+              f"{ghost[part] / ghost['whole step']:.0%}"] for part, _ in PROFILE_PARTS]))
     settings = {"rows": args.rows, "seq": args.seq, "steps": args.steps, "ms": args.ms, "device": str(device),
                 "torch_threads": torch.get_num_threads(), "noise_multiplier": 1.0, "max_grad_norm": 1.0}
-    path = write_results(args.name, {"settings": settings, "results": results, "scaling": scaling, "tables": tables},
-                         args.out)
+    path = write_results(args.name, {"settings": settings, "results": results, "scaling": scaling, "profile": profile,
+                                     "tables": tables}, args.out)
     print(f"results: {path}")
     return {"results": results, "scaling": scaling}
 

@@ -111,6 +111,50 @@ FP32_UNIT_ROUNDOFF = 2.0 ** -24
 TRUSTED_SHARE = 1e-2
 
 
+def tied_cross_terms(first: Tuple[nn.Module, List[torch.Tensor], torch.Tensor],
+                     second: Tuple[nn.Module, List[torch.Tensor], torch.Tensor],
+                     index: torch.Tensor) -> Tuple[torch.Tensor, float]:
+    """``⟨G¹_u, G²_u⟩`` per unit for a weight that two layers share, in fp32: with it a unit's norm over both layers
+    is ``‖G¹_u‖² + ‖G²_u‖² + 2⟨G¹_u, G²_u⟩`` without either unit gradient (a tied embedding's is vocabulary-sized).
+
+    For an embedding (token ids ``i_t``, output gradients ``b_t``) and a linear layer with the same ``[V, D]`` weight
+    (inputs ``h_s``, output gradients ``g_s``), ``⟨G¹, G²⟩ = Σ_{t,s} g_s[i_t] ⟨b_t, h_s⟩``; for two linear layers,
+    ``Σ_{s,t} ⟨g¹_s, g²_t⟩ ⟨a¹_s, a²_t⟩`` (the Gram trick's cross terms), over each unit's positions.
+
+    Args:
+        first: ``(layer, activations, output gradients)`` of one layer's pass (output gradients unscaled).
+        second: The same for the other layer.
+        index: The packing index ``[U, L]`` (:func:`packing_index`).
+
+    Returns:
+        The cross terms ``[U]``, and the relative constant of their rounding error (as :meth:`UserGhostHooks._gram_norms2`'s,
+        for inner products of both lengths and both layers' positions).
+    """
+    if isinstance(second[0], nn.Embedding):
+        first, second = second, first
+    (layer1, acts1, grads1), (_, acts2, grads2) = first, second
+    if isinstance(layer1, nn.Embedding) and layer1.padding_idx is not None:  # autograd drops the padding row
+        grads1 = grads1.masked_fill((acts1[0] == layer1.padding_idx).unsqueeze(-1), 0)
+    one = index.shape[1] == 1  # each unit's one row, in row order (reordered at the end): no packed copies
+    pack = (lambda t: t.reshape(t.shape[0], -1, t.shape[-1]) if t.is_floating_point() else t.reshape(t.shape[0], -1)
+            ) if one else (lambda t: _pack(t, index))
+    x2, g2 = pack(_fp32(acts2[0])), pack(_fp32(grads2))
+    if isinstance(layer1, nn.Embedding):  # Σ_{t,s} g_s[i_t] ⟨b_t, h_s⟩
+        ids, b = pack(acts1[0]), pack(_fp32(grads1))
+        inner = torch.bmm(b, x2.transpose(1, 2))  # [U, P1, P2]: ⟨b_t, h_s⟩
+        picked = torch.gather(g2, 2, ids.unsqueeze(1).expand(-1, g2.shape[1], -1))  # [U, P2, P1]: g_s[i_t]
+        cross = (inner * picked.transpose(1, 2)).sum((1, 2))
+        lengths = (b.shape[-1], g2.shape[-1], ids.shape[1] + x2.shape[1])
+    else:  # Σ_{s,t} ⟨g¹_s, g²_t⟩ ⟨a¹_s, a²_t⟩
+        x1, g1 = pack(_fp32(acts1[0])), pack(_fp32(grads1))
+        cross = (torch.bmm(g1, g2.transpose(1, 2)) * torch.bmm(x1, x2.transpose(1, 2))).sum((1, 2))
+        lengths = (x1.shape[-1], g1.shape[-1], x1.shape[1] + x2.shape[1])
+    if one:
+        cross = cross.index_select(0, index[:, 0].to(cross.device))
+    rounding = 4 * FP32_UNIT_ROUNDOFF * (math.sqrt(lengths[0]) + math.sqrt(lengths[1]) + lengths[2])
+    return cross, rounding
+
+
 @dataclass
 class LayerRecord:
     """What one packable layer left in the current micro-batch.
@@ -150,16 +194,23 @@ class UserGhostHooks(UserGradSampleHooks):
 
     def __init__(self, m: nn.Module, **kwargs):
         super().__init__(m, **kwargs)
-        owners: Dict[nn.Parameter, int] = {}
+        owners: Dict[nn.Parameter, List[nn.Module]] = {}
         for _, module in trainable_modules(m):
             for _, p in trainable_parameters(module):
-                owners[p] = owners.get(p, 0) + 1
+                owners.setdefault(p, []).append(module)
+        packable = {module for _, module in trainable_modules(m)
+                    if (type(module) in PACKABLE or type(module) in RECORDING_EMBEDDINGS.values())
+                    and type(module) in NORM_SAMPLERS and type(module) in self.GRAD_SAMPLERS}
+        #: weights shared by two layers whose cross term the norms take (:func:`tied_cross_terms`: a tied embedding
+        #: and LM head, two linear layers), ``{weight: (layer, layer)}``; other shared weights stay materialised
+        self.tied: Dict[nn.Parameter, Tuple[nn.Module, nn.Module]] = {
+            p: tuple(mods) for p, mods in owners.items()
+            if len(mods) == 2 and all(mod in packable and mod.weight is p for mod in mods)
+            and {type(mod) for mod in mods} in ({nn.Embedding, nn.Linear}, {nn.Linear})}
         #: the modules clipped by ghost norms; the others keep materialised per-unit sums
         self.ghost_modules: Set[nn.Module] = {
-            module for _, module in trainable_modules(m)
-            if (type(module) in PACKABLE or type(module) in RECORDING_EMBEDDINGS.values())
-            and type(module) in NORM_SAMPLERS and type(module) in self.GRAD_SAMPLERS
-            and all(owners[p] == 1 for _, p in trainable_parameters(module))
+            module for module in packable
+            if all(len(owners[p]) == 1 or p in self.tied for _, p in trainable_parameters(module))
         }
         self.clip_factors: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         #: for a model sharded by FSDP2: ``{gathered parameter: its shard (DTensor)}``; the step's sums are then kept
@@ -205,17 +256,23 @@ class UserGhostHooks(UserGradSampleHooks):
         """A ghost layer's forward pre-hook: autograd need not compute its weights' gradient (the unclipped sum, which
         the update does not use; the clipped sum comes from the stored activations and output gradients), so its
         weights are marked as not needing one while the layer's operation is recorded, and marked again in
-        :meth:`capture_activations_hook` right after. That saves one matrix product per layer in the backward pass.
-        Only where the layer's input needs a gradient (otherwise its output would need none and the backward pass
-        would never reach it), on one process's model (not under FSDP2), and not while the self-check needs
+        :meth:`capture_activations_hook` right after, which also puts an output that then needs no gradient (the
+        layer's input needed none: token ids, a frozen model's hidden states under LoRA) back on the backward path.
+        That saves one matrix product per linear layer in the backward pass, and an embedding's dense
+        vocabulary-sized gradient. On one process's model (not under FSDP2), and not while the self-check needs
         autograd's gradient."""
         if (self.hooks_enabled and not self.record_row_norms and self.shards is None and module.training
-                and torch.is_grad_enabled() and module in self.ghost_modules and args
-                and isinstance(args[0], torch.Tensor) and args[0].requires_grad):
+                and torch.is_grad_enabled() and module in self.ghost_modules):
             weights = [p for _, p in trainable_parameters(module)]
             for p in weights:
                 p.requires_grad_(False)
             module._weights_marked = weights
+
+    def discard_step(self) -> None:
+        """:meth:`UserGradSampleHooks.discard_step`, and the layers' call counts of the discarded passes."""
+        super().discard_step()
+        for _, module in trainable_modules(self._module):
+            module.__dict__.pop("_ghost_calls", None)
 
     def use_gathered_parameters(self, gathered: Dict[nn.Parameter, nn.Parameter]) -> None:
         """Key the per-parameter state by the parameters FSDP2 gathers while a layer runs (one object per sharded
@@ -226,6 +283,8 @@ class UserGhostHooks(UserGradSampleHooks):
         """
         for handle in self._grad_hooks:
             handle.remove()
+        self.ghost_modules -= {module for pair in self.tied.values() for module in pair}  # materialised when sharded
+        self.tied = {}
         self.param_names = {gathered[p]: name for p, name in self.param_names.items()}
         for p in self.param_names:
             p.grad_sample = None
@@ -297,18 +356,36 @@ class UserGhostHooks(UserGradSampleHooks):
 
     # -- Opacus extension points --------------------------------------------------------------
     def capture_activations_hook(self, module, forward_input, forward_output):
-        """Opacus's forward hook; a layer that runs twice in one pass leaves the ghost route (materialised).
+        """Opacus's forward hook; a layer that runs twice in one pass leaves the ghost route (materialised); a layer
+        whose weights :meth:`_without_weight_gradient` marked is trainable again.
 
         Args:
             module: The layer.
             forward_input: Its inputs.
             forward_output: Its output.
+
+        Returns:
+            The output put back on the backward path when it needs no gradient only because the weights were marked,
+            else None (the output as it is).
         """
-        for p in module.__dict__.pop("_weights_marked", ()):  # trainable again, as soon as the operation is recorded
+        marked = module.__dict__.pop("_weights_marked", ())
+        for p in marked:  # trainable again, as soon as the operation is recorded
             p.requires_grad_(True)
+        params = [p for _, p in trainable_parameters(module)]
+        counted = [p._forward_counter for p in params]
         super().capture_activations_hook(module, forward_input, forward_output)
-        if module in self.ghost_modules and any(p._forward_counter > 1 for _, p in trainable_parameters(module)):
-            self.ghost_modules.discard(module)  # runs twice per pass: cross terms between its calls; materialise it
+        if module in self.ghost_modules and params and params[0]._forward_counter > counted[0]:
+            # this layer's calls in the pass (its weight's counter also counts the other layer of a shared weight)
+            module._ghost_calls = getattr(module, "_ghost_calls", 0) + 1
+            if module._ghost_calls > 1:  # runs twice per pass: cross terms between its calls; materialise it, and
+                # the other layer of its shared weight (Opacus sums a weight's per-sample gradients over all its calls)
+                self.ghost_modules -= {module}.union(*(self.tied.get(p, ()) for p in params))
+        if marked and isinstance(forward_output, torch.Tensor) and not forward_output.requires_grad:
+            # back on the backward path through a zero that needs a gradient, so that the layer's output gradient
+            # still reaches its backward hook
+            return forward_output + torch.zeros((), dtype=forward_output.dtype, device=forward_output.device,
+                                                requires_grad=True)
+        return None
 
     def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
         """Record a ghost layer's backward pass (norms by the Gram or direct route); other layers as the base class.
@@ -343,6 +420,7 @@ class UserGhostHooks(UserGradSampleHooks):
         for p in params:
             p._forward_counter -= 1
             p._row_dtype = backprops.dtype  # the self-check's tolerance follows it (bf16 rows under autocast)
+        module._ghost_calls = getattr(module, "_ghost_calls", 1) - 1
         slots = self._slots_for_current_batch()
         if backprops.shape[0] != len(slots):
             self._row_mismatch(params[0], backprops.shape[0], len(slots))
@@ -385,6 +463,8 @@ class UserGhostHooks(UserGradSampleHooks):
         """Whether this layer's unit gradients ``[U, p, d]`` are cheaper than its Gram matrices (never for an
         embedding: its unit gradient is a vocabulary-sized table)."""
         weight = getattr(module, "weight", None)
+        if weight in self.tied:  # the cross term with its other layer needs the Gram route's tensors
+            return False
         if isinstance(module, nn.Embedding) or self.norm_route != "auto" or weight is None:
             return self.norm_route == "direct" and not isinstance(module, nn.Embedding)
         positions = self._packing_index(slots).shape[1] * (backprops[0].numel() // backprops.shape[-1])
@@ -521,20 +601,32 @@ class UserGhostHooks(UserGradSampleHooks):
                 for p, g in self._record_unit_grads(module, record, row_slots).items():
                     self._accumulate_unit_sum(p, g)
                 del self._records[module]
+        pairs = self._tied_pairs(row_slots)
         materialised = [(p, p._unit_grad) for p in self.param_names if getattr(p, "_unit_grad", None) is not None]
         direct = [(p, g) for record in self._records.values() if record.unit_grads is not None
                   for p, g in record.unit_grads.items()]
         norm2, rounding2 = torch.zeros(n_units), torch.zeros(n_units)
         for _, sums in materialised + direct:
             norm2 += torch.linalg.vector_norm(sums.flatten(1), dim=1, dtype=torch.float32).pow(2).cpu()
+        # the norms the self-check compares: {layers: (their parameters, [U] squared norms)}
+        components: Dict[Tuple[nn.Module, ...], Tuple[Tuple[nn.Parameter, ...], torch.Tensor]] = {}
         for module, record in self._records.items():
             if record.unit_grads is None:
                 if record.norm2 is None:  # several passes: the norms of their sum
                     record.norm2, record.bound, record.rounding = self._gram_norms2(module, record.passes, row_slots)
                 norm2 += record.norm2.cpu()
                 rounding2 += record.rounding * record.bound.cpu().pow(2)
+                components[(module,)] = (tuple(record.params), record.norm2.cpu())
+        for (first, one), (second, other) in pairs:  # a shared weight: the cross term of its two layers
+            cross, rounding = tied_cross_terms((first, *one.passes[0][:2]), (second, *other.passes[0][:2]),
+                                               self._packing_index(row_slots))
+            cross = 2 * cross.cpu() * one.passes[0][2] * other.passes[0][2]
+            norm2 += cross
+            rounding2 += 2 * max(rounding, one.rounding, other.rounding) * (one.bound * other.bound).cpu()
+            params = tuple(dict.fromkeys(one.params + other.params))
+            components[(first, second)] = (params, components.pop((first,))[1] + components.pop((second,))[1] + cross)
         if self.record_row_norms:
-            self._keep_check_norms(materialised + direct)
+            self._keep_check_norms(materialised + direct, components)
         norm2 = torch.where(rounding2 > TRUSTED_SHARE * norm2, norm2 + rounding2, norm2)
         norms = norm2.sqrt() / counts  # (a bound on) the norm of each unit's average
         bad = ~torch.isfinite(norms)
@@ -566,11 +658,21 @@ class UserGhostHooks(UserGradSampleHooks):
             unit_weights = round_down(weights, sums.dtype).to(sums.device)
             return {p: torch.einsum("u,u...->...", unit_weights, sums)}
 
+        def book_kept_together(*layers: Tuple[nn.Module, LayerRecord]) -> Dict[nn.Parameter, torch.Tensor]:
+            total: Dict[nn.Parameter, torch.Tensor] = {}
+            for module, record in layers:
+                for p, g in book_kept(module, record).items():
+                    total[p] = g if p not in total else total[p] + g
+            return total
+
         groups: Dict[nn.Parameter, Callable[[], Dict[nn.Parameter, torch.Tensor]]] = {}
         for module, record in self._records.items():
             if record.passes:
                 group = functools.partial(book_kept, module, record)
                 groups.update({p: group for p in record.params})
+        for layers in pairs:  # one group for both layers of a shared weight, so that each sum is added once
+            group = functools.partial(book_kept_together, *layers)
+            groups.update({p: group for _, record in layers for p in record.params})
         for p, sums in materialised + direct:
             groups[p] = functools.partial(weighted, p, sums)
         self._emit(groups)
@@ -578,17 +680,39 @@ class UserGhostHooks(UserGradSampleHooks):
         self.non_finite_units |= bool(bad.any())
         self._reset_micro_batch()
 
-    def _keep_check_norms(self, per_param: List[Tuple[nn.Parameter, torch.Tensor]]) -> None:
+    def _tied_pairs(self, row_slots: torch.Tensor) -> List[Tuple[Tuple[nn.Module, LayerRecord], ...]]:
+        """The two layers of each shared weight (:attr:`tied`) that both ran in this micro-batch on the Gram route,
+        with their records. A pair with several backward passes through either layer is materialised instead (both
+        layers' unit gradients summed, their norm taken from the sum)."""
+        pairs = []
+        for first, second in self.tied.values():
+            one, other = self._records.get(first), self._records.get(second)
+            if one is None or other is None or one.unit_grads is not None or other.unit_grads is not None:
+                continue
+            if len(one.passes) == 1 and len(other.passes) == 1:
+                pairs.append(((first, one), (second, other)))
+                continue
+            for module, record in ((first, one), (second, other)):
+                for p, g in self._record_unit_grads(module, record, row_slots).items():
+                    self._accumulate_unit_sum(p, g)
+                del self._records[module]
+        return pairs
+
+    def _keep_check_norms(self, per_param: List[Tuple[nn.Parameter, torch.Tensor]],
+                          components: Dict[Tuple[nn.Module, ...], Tuple[Tuple[nn.Parameter, ...], torch.Tensor]]
+                          ) -> None:
         """For the per-user self-check: the checked users' sums' norms in this micro-batch, per layer on the Gram
-        route and per parameter otherwise, with the sums of their row-gradient norms there.
+        route (both layers of a shared weight together) and per parameter otherwise, with the sums of their
+        row-gradient norms there.
 
         Args:
             per_param: The materialised and direct-route ``(parameter, [U, *p.shape] sums)``.
+            components: ``{layers: (parameters, [U] squared norms)}`` of the Gram-route layers.
         """
         wanted = {u: slot for u, slot in self._slot_of.items() if u in self.user_check.users}
         groups = [((p,), torch.linalg.vector_norm(sums.flatten(1), dim=1, dtype=torch.float32).cpu())
                   for p, sums in per_param]
-        groups += [(tuple(r.params), r.norm2.sqrt().cpu()) for r in self._records.values() if r.unit_grads is None]
+        groups += [(params, norm2.clamp(min=0).sqrt()) for params, norm2 in components.values()]
         for params, norms in groups:
             for user, slot in wanted.items():
                 rows = sum(float(p._row_norm_units[slot]) for p in params
