@@ -52,7 +52,12 @@ def test_step_cost_benchmark_runs_a_tiny_setting(tmp_path):
     from benchmarks import step_cost
 
     out = step_cost.main(["--workloads", "llama_lora", "--ms", "2", "--rows", "4", "--seq", "8", "--steps", "1",
-                          "--users", "4", "--materialised-limit-gb", "0", "--out", str(tmp_path)])
+                          "--users", "4", "--materialised-limit-gb", "0", "--profile", "--out", str(tmp_path)])
+    profile = json.loads((tmp_path / "step_cost.json").read_text())["profile"]
+    ghost, plain = profile["user ghost m=2"], profile["non-private"]
+    assert ghost["  per-user norms (backward hooks)"] > 0 and plain["  per-user norms (backward hooks)"] == 0
+    for part in ("forward pass and loss", "backward pass", "optimizer step"):
+        assert 0 < ghost[part] < ghost["whole step"] and 0 < plain[part] < plain["whole step"]
     cells = out["results"]["llama_lora"]["cells"]
     assert {"non-private", "opacus hooks", "opacus ghost", "user hooks m=2", "user ghost m=2"} == set(cells)
     assert cells["non-private"]["time_ratio"] == 1.0 and all(c["median_s"] > 0 for c in cells.values())

@@ -8,9 +8,9 @@ activations and output gradients as ``[U, L·T, d]`` (``L`` = most rows of one u
 per-sample *norm sampler* for the norms (the Gram trick of ghost clipping, Li et al. 2022, here with the cross terms
 between a unit's rows: ``O((L·T)²)`` per unit and layer), or, when ``L·T·(d + p) > d·p`` makes the Gram matrices
 dearer, its *grad sampler* for this one layer's ``[U, p, d]`` unit gradients, whose norms are taken at once and the
-tensor freed. A layer of another type, or one whose parameter is shared with another module (tied embeddings) or
-which runs twice in one pass, keeps the materialised per-unit sums of :class:`UserGradSampleHooks` (its cross terms
-are not per layer).
+tensor freed. A weight tied between an embedding and a linear layer, or two linear layers, takes the two layers'
+cross term (:func:`tied_cross_terms`). A layer of another type, one whose parameter is shared otherwise, or one which
+runs twice in one pass, keeps the materialised per-unit sums of :class:`UserGradSampleHooks`.
 
 **Clipped sum.** With every unit's norm known (all its rows are in one micro-batch), its clip factor ``c_u`` follows,
 and the layer's stored activations and output gradients, re-weighted per row by ``c_u / n_u``, give
@@ -19,8 +19,8 @@ and the layer's stored activations and output gradients, re-weighted per row by 
 A layer on the direct route keeps its ``[U, p, d]`` unit gradients instead, which are then the smaller of the two
 (that is when the direct route is chosen), and lets autograd free its activations. Memory: per packable layer, the
 smaller of the two for one micro-batch, freed once the micro-batch is clipped; autograd's own ``p.grad`` (the
-unclipped sum, which the update does not use) is dropped as soon as it is accumulated, except while the first step's
-self-check needs it.
+unclipped sum, which the update does not use) is not computed after the first step, whose self-check needs it
+(:meth:`UserGhostHooks._without_weight_gradient`).
 
 **Precision and passes.** Norms and book-kept sums are computed in fp32 whatever the layer's dtype, each Gram norm
 with a rounding bound that is added when it is not negligible, so a unit's norm bounds what is added for it; several
@@ -48,7 +48,7 @@ from transformers.pytorch_utils import Conv1D
 from . import conv1d  # noqa: F401  (registers Conv1D's samplers with Opacus)
 from .embedding import RECORDING_EMBEDDINGS
 from .precision import product_margin, round_down
-from .user_check import check_user_gradients
+from .user_check import check_user_gradient
 from .user_hooks import UserGradSampleHooks
 
 #: layer types whose per-sample gradient is a sum over positions, so packing a unit's rows along positions is exact
@@ -730,9 +730,6 @@ class UserGhostHooks(UserGradSampleHooks):
         Raises:
             ValueError: A user's norm differs from its recomputation's.
         """
-        references = self.user_check.references(params, self._quiet)
-        if references is None:
-            return
         index = {p: i for i, p in enumerate(params)}
         keys = [k for k in dict.fromkeys(k for kept in self.check_norms.values() for k in kept)
                 if all(p in index for p in k)]
@@ -741,10 +738,10 @@ class UserGhostHooks(UserGradSampleHooks):
             value = self.check_norms.get(user, {}).get(keys[g])
             return None if value is None else value[which]
 
-        check_user_gradients(
-            [[index[p] for p in k] for k in keys], params, references,
-            lambda u, g: None if kept(u, g, 0) is None else torch.tensor([kept(u, g, 0)]),
-            lambda u, g: kept(u, g, 1) or 0.0, lambda p: self.param_names.get(p, "?"), norms_only=True)
+        groups = [[index[p] for p in k] for k in keys]
+        self.user_check.check(params, self._quiet, lambda user, reference: check_user_gradient(
+            user, reference, groups, params, lambda u, g: None if kept(u, g, 0) is None else torch.tensor([kept(u, g, 0)]),
+            lambda u, g: kept(u, g, 1) or 0.0, lambda p: self.param_names.get(p, "?"), norms_only=True))
 
     def _add_check_sums(self, module: nn.Module, record: LayerRecord, n_rows: int) -> None:
         """Add a record's ``Σ_r ∇ℓ_r / R`` (each pass's) to the self-check's sums (the hooks add the materialised

@@ -173,17 +173,20 @@ class UserCheck:
     def _unsplittable(recorded: RecordedPass, _grad: torch.Tensor) -> None:
         recorded.unsplittable = True
 
-    def references(self, params: Sequence[nn.Parameter],
-                   quiet: Callable[[], contextlib.AbstractContextManager]) -> Optional[Dict[int, List[torch.Tensor]]]:
-        """Each checked user's gradient, recomputed on its rows alone: ``Σ_passes R · ∂L/∂θ`` through its rows.
+    def check(self, params: Sequence[nn.Parameter], quiet: Callable[[], contextlib.AbstractContextManager],
+              compare: Callable[[int, List[torch.Tensor]], None]) -> bool:
+        """Recompute each checked user's gradient on its rows alone, ``Σ_passes R · ∂L/∂θ`` through its rows, and hand
+        it to ``compare``, one user at a time (so that no more than one user's gradient is held besides the step's).
 
         Args:
-            params: The parameters, in the order of the returned lists.
+            params: The parameters, in the order of the lists handed to ``compare``.
             quiet: A context in which the per-sample hooks record nothing.
+            compare: ``(unit code, [gradient per parameter, fp32 or the parameter's dtype; zeros where none])``;
+                raises if they differ from the hooks'.
 
         Returns:
-            ``{unit code: [gradient per parameter]}``, or None when the step cannot be checked per user
-            (:attr:`skipped` says why).
+            True if the users were compared, False when the step cannot be checked per user (:attr:`skipped` says why,
+            in a warning).
         """
         dropout = active_dropout(self.model)
         if dropout:
@@ -199,25 +202,28 @@ class UserCheck:
                             "(an output modified in place loses it: modify a copy)")
         if self.skipped is not None:
             self._warn_skipped()
-            return None
-        refs = {u: [torch.zeros_like(p, dtype=torch.float32) for p in params] for u in self.users}
+            return False
         saved = [p.grad for p in params]
         try:
-            with quiet():
-                for recorded in self.passes:
-                    for u in recorded.rows:
-                        for ref, grad in zip(refs[u], self._replay(recorded, u, params)):
-                            if grad is not None:
-                                ref += recorded.n_rows * grad.float()
-        except Exception as err:  # noqa: BLE001 - the model cannot run on one user's rows: say so, keep the sum check
-            self.skipped = f"the model's forward failed on one user's rows alone ({type(err).__name__}: {err})"
+            for user in self.users:
+                total: List[Optional[torch.Tensor]] = [None] * len(params)
+                try:
+                    with quiet():
+                        for recorded in self.passes:
+                            if user in recorded.rows:
+                                for i, grad in enumerate(self._replay(recorded, user, params)):
+                                    if grad is not None:
+                                        grad = grad.mul_(recorded.n_rows)
+                                        total[i] = grad if total[i] is None else total[i].add_(grad)
+                except Exception as err:  # noqa: BLE001 - the model cannot run on one user's rows: say so
+                    self.skipped = f"the model's forward failed on one user's rows alone ({type(err).__name__}: {err})"
+                    self._warn_skipped()
+                    return False
+                compare(user, [torch.zeros_like(p) if g is None else g for p, g in zip(params, total)])
         finally:
             for p, g in zip(params, saved):
                 p.grad = g
-        if self.skipped is not None:
-            self._warn_skipped()
-            return None
-        return refs
+        return True
 
     def _warn_skipped(self) -> None:
         logger.warning("The per-user half of the self-check did not run: %s. Only the users' sum was checked, which "
@@ -264,22 +270,22 @@ def tolerance(p: nn.Parameter) -> float:
     return max(1e-3, 16 * torch.finfo(p.dtype).eps, 16 * torch.finfo(getattr(p, "_row_dtype", p.dtype)).eps)
 
 
-def check_user_gradients(groups: Sequence[Sequence[int]], params: Sequence[nn.Parameter],
-                         references: Dict[int, List[torch.Tensor]],
-                         observed: Callable[[int, int], Optional[torch.Tensor]],
-                         row_norms: Callable[[int, int], float], name_of: Callable[[nn.Parameter], str],
-                         norms_only: bool = False) -> None:
+def check_user_gradient(user: int, reference: List[torch.Tensor], groups: Sequence[Sequence[int]],
+                        params: Sequence[nn.Parameter], observed: Callable[[int, int], Optional[torch.Tensor]],
+                        row_norms: Callable[[int, int], float], name_of: Callable[[nn.Parameter], str],
+                        norms_only: bool = False) -> None:
     """Refuse to train if a checked user's gradient from the hooks differs from its recomputation.
 
-    Each group of parameters (one parameter, or a layer's when only its norm is known) is compared per user with
-    tolerance ``rtol · max(‖E‖, Σ_{r∈u} ‖row gradient‖, ‖E_u‖ · √(numel_group / numel))`` (``E`` the recomputed
-    gradient; as in :func:`~trl_userdp.grad_sample.checks.check_unit_sums`, the second term covers a user's rows that
-    cancel, the third a group whose true gradient is zero).
+    Each group of parameters (one parameter, or a layer's when only its norm is known) is compared with tolerance
+    ``rtol · max(‖E‖, Σ_{r∈u} ‖row gradient‖, ‖E_u‖ · √(numel_group / numel))`` (``E`` the recomputed gradient; as in
+    :func:`~trl_userdp.grad_sample.checks.check_unit_sums`, the second term covers a user's rows that cancel, the third
+    a group whose true gradient is zero).
 
     Args:
+        user: The unit code.
+        reference: Its recomputed gradient per parameter (:meth:`UserCheck.check`).
         groups: Parameter indices (into ``params``) compared together.
         params: The parameters.
-        references: ``{unit code: [recomputed gradient per parameter]}`` (:meth:`UserCheck.references`).
         observed: ``(unit code, group index) ->`` the hooks' gradient of the group, flattened (``norms_only``: a
             1-element tensor, the norm), or None if the unit had none there.
         row_norms: ``(unit code, group index) ->`` the sum of the unit's row-gradient norms in the group.
@@ -287,31 +293,30 @@ def check_user_gradients(groups: Sequence[Sequence[int]], params: Sequence[nn.Pa
         norms_only: Compare norms (ghost clipping keeps no per-user gradient).
 
     Raises:
-        ValueError: A user's gradient differs from its recomputation beyond the tolerance.
+        ValueError: The user's gradient differs from its recomputation beyond the tolerance.
     """
     numel = sum(p.numel() for p in params)
-    for user, ref in references.items():
-        whole = math.sqrt(sum(float(torch.linalg.vector_norm(r)) ** 2 for r in ref))
-        if not math.isfinite(whole):
-            continue  # a non-finite user adds nothing (its factor is 0): nothing to compare
-        for g, group in enumerate(groups):
-            expected = torch.cat([ref[i].flatten() for i in group])
-            got = observed(user, g)
-            got = torch.zeros_like(expected) if got is None else got.float().to(expected.device)
-            if norms_only:
-                err = abs(float(got.reshape(-1)[0]) - float(torch.linalg.vector_norm(expected)))
-            else:
-                err = float(torch.linalg.vector_norm(got - expected))
-            rtol = max(tolerance(params[i]) for i in group)
-            size = sum(params[i].numel() for i in group)
-            scale = max(float(torch.linalg.vector_norm(expected)), row_norms(user, g), whole * math.sqrt(size / numel))
-            if not err <= rtol * scale + 1e-12:
-                what = "the norm of " if norms_only else ""
-                raise ValueError(
-                    f"Self-check failed for {name_of(params[group[0]])!r}: {what}one user's gradient from the per-sample "
-                    f"hooks differs from the gradient recomputed on that user's rows alone (relative error "
-                    f"{err / max(scale, 1e-30):.2e}, tolerance {rtol:.1e}), although the users' sum may agree. A layer "
-                    "mixes the rows of the batch or runs a computation shared by every row, so one user's gradient "
-                    "would hold other users' data; training stops here. Freeze that layer (`requires_grad_(False)`; "
-                    "with LoRA, leave it out of target_modules), or report the architecture."
-                )
+    whole = math.sqrt(sum(float(torch.linalg.vector_norm(r, dtype=torch.float32)) ** 2 for r in reference))
+    if not math.isfinite(whole):
+        return  # a non-finite user adds nothing (its factor is 0): nothing to compare
+    for g, group in enumerate(groups):
+        expected = torch.cat([reference[i].flatten().float() for i in group])
+        got = observed(user, g)
+        got = torch.zeros_like(expected) if got is None else got.float().to(expected.device)
+        if norms_only:
+            err = abs(float(got.reshape(-1)[0]) - float(torch.linalg.vector_norm(expected)))
+        else:
+            err = float(torch.linalg.vector_norm(got - expected))
+        rtol = max(tolerance(params[i]) for i in group)
+        size = sum(params[i].numel() for i in group)
+        scale = max(float(torch.linalg.vector_norm(expected)), row_norms(user, g), whole * math.sqrt(size / numel))
+        if not err <= rtol * scale + 1e-12:
+            what = "the norm of " if norms_only else ""
+            raise ValueError(
+                f"Self-check failed for {name_of(params[group[0]])!r}: {what}one user's gradient from the per-sample "
+                f"hooks differs from the gradient recomputed on that user's rows alone (relative error "
+                f"{err / max(scale, 1e-30):.2e}, tolerance {rtol:.1e}), although the users' sum may agree. A layer "
+                "mixes the rows of the batch or runs a computation shared by every row, so one user's gradient "
+                "would hold other users' data; training stops here. Freeze that layer (`requires_grad_(False)`; "
+                "with LoRA, leave it out of target_modules), or report the architecture."
+            )

@@ -26,7 +26,7 @@ from torch import nn
 
 from . import layer_norm  # noqa: F401  (registers the LayerNorm sampler that allows bias=False)
 from .embedding import SCALED_EMBEDDINGS, is_scaled_embedding, record_lookups, register_scaled_embedding
-from .user_check import UserCheck, check_user_gradients
+from .user_check import UserCheck, check_user_gradient
 
 
 #: blocks (by class name) that run their feed-forward layers on the batch's tokens flattened row by row,
@@ -348,10 +348,6 @@ class UserGradSampleHooks(GradSampleHooks):
         Raises:
             ValueError: A user's sum differs from its recomputation.
         """
-        references = self.user_check.references(params, self._quiet)
-        if references is None:
-            return
-
         def observed(user: int, i: int) -> Optional[torch.Tensor]:
             slot = self._slot_of.get(user)
             return None if slot is None or slot >= unit_sums[i].shape[0] else unit_sums[i][slot].flatten()
@@ -360,8 +356,9 @@ class UserGradSampleHooks(GradSampleHooks):
             slot, sums = self._slot_of.get(user), getattr(params[i], "_row_norm_units", None)
             return 0.0 if slot is None or sums is None or slot >= len(sums) else float(sums[slot])
 
-        check_user_gradients([[i] for i in range(len(params))], params, references, observed, row_norms,
-                             lambda p: self.param_names.get(p, "?"))
+        groups = [[i] for i in range(len(params))]
+        self.user_check.check(params, self._quiet, lambda user, reference: check_user_gradient(
+            user, reference, groups, params, observed, row_norms, lambda p: self.param_names.get(p, "?")))
 
     @staticmethod
     def _unit_sums(p: nn.Parameter, n_units: int, like: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 24
+_CHUNK = 1 << 20  # 8 MB of int64 at a time
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # 2⁶⁴/φ as a signed int64
 
 
