@@ -261,6 +261,8 @@ class UserGhostHooks(UserGradSampleHooks):
         That saves one matrix product per linear layer in the backward pass, and an embedding's dense
         vocabulary-sized gradient. On one process's model (not under FSDP2), and not while the self-check needs
         autograd's gradient."""
+        for p in module.__dict__.pop("_weights_marked", ()):  # left by a forward pass that raised
+            p.requires_grad_(True)
         if (self.hooks_enabled and not self.record_row_norms and self.shards is None and module.training
                 and torch.is_grad_enabled() and module in self.ghost_modules):
             weights = [p for _, p in trainable_parameters(module)]

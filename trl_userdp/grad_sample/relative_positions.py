@@ -22,19 +22,16 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-try:
-    from transformers.models.deberta_v2.modeling_deberta_v2 import (
-        DebertaV2Encoder,
-        DisentangledSelfAttention,
-        build_relative_position,
-        build_rpos,
-        scaled_size_sqrt,
-    )
-except ImportError:  # pragma: no cover - transformers without DeBERTa-v2
-    DebertaV2Encoder = DisentangledSelfAttention = None
+from transformers.models.deberta_v2.modeling_deberta_v2 import (
+    DebertaV2Encoder,
+    DisentangledSelfAttention,
+    build_relative_position,
+    build_rpos,
+    scaled_size_sqrt,
+)
 
 
-class RowRelativeEncoder(DebertaV2Encoder if DebertaV2Encoder is not None else nn.Module):
+class RowRelativeEncoder(DebertaV2Encoder):
     """``DebertaV2Encoder`` whose relative-position embeddings come one copy per batch row ``[R, P, D]``."""
 
     def forward(self, hidden_states, *args, **kwargs):  # noqa: D102
@@ -60,7 +57,7 @@ class RowRelativeEncoder(DebertaV2Encoder if DebertaV2Encoder is not None else n
         return norm(rel) if normed else rel
 
 
-class RowRelativeAttention(DisentangledSelfAttention if DisentangledSelfAttention is not None else nn.Module):
+class RowRelativeAttention(DisentangledSelfAttention):
     """``DisentangledSelfAttention`` whose relative projections run on every row's copy of the embeddings."""
 
     def disentangled_attention_bias(self, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):
@@ -136,8 +133,6 @@ class RowRelativePositions:
 
     def __init__(self, module: nn.Module):
         self.swapped: List[Tuple[nn.Module, type]] = []
-        if DebertaV2Encoder is None:
-            return
         try:
             for name, sub in module.named_modules():
                 if type(sub) is DebertaV2Encoder and sub.relative_attention:

@@ -90,8 +90,6 @@ class UserDPOptimizer(DPOptimizer):
         self.self_check = hooks.record_row_norms = self_check
         #: checks the first update that should move a weight (with the self-check)
         self.weight_guard = WeightGuard(hooks._module, optimizer, hooks.param_names) if self_check else None
-        if self.weight_guard is not None:
-            self.weight_guard.attach(optimizer)
         self.budget_guard = budget_guard
         #: with True, a step the budget cannot pay for is skipped (no update, nothing accounted) instead of
         #: raising; the trainers use it so that training ends cleanly

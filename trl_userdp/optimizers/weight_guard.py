@@ -73,59 +73,40 @@ class WeightGuard:
         self._frozen_before = fingerprints(self.frozen)
         #: True until the first update that should move a weight has been checked
         self.pending = True
+        self._moving_now: List[nn.Parameter] = []
         self._trained_before: List[Tuple[int, Tuple[int, ...], torch.dtype]] = []
+        self._depth = 0
+        # torch's step hooks on ``optimizer``; an optimizer class whose step calls its parent's runs them once more
+        # inside: the outermost call counts
+        self._handles = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)]
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Run around ``optimizer``'s own steps (torch's step hooks) until the first update that should move a
-        weight has been checked.
+    def _before(self, *_args) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._moving_now = self._moving()
+            self._trained_before = fingerprints(self._moving_now)
 
-        Args:
-            optimizer: The optimizer the private one wraps (whose step updates the weights).
-        """
-        self._checking, self._depth = False, 0
+    def _after(self, *_args) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._moving_now:
+            for handle in self._handles:
+                handle.remove()
+            self.after_update()
 
-        # an optimizer class whose step calls its parent's runs the hooks once more inside: the outermost call counts
-        def before(*_args) -> None:
-            self._depth += 1
-            if self._depth == 1:
-                self._checking = self.before_update()
-
-        def after(*_args) -> None:
-            self._depth -= 1
-            if self._depth == 0 and self._checking:
-                for handle in self._handles:
-                    handle.remove()
-                self.after_update()
-
-        self._handles = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
-
-    def _moving(self) -> List[Tuple[nn.Parameter, bool]]:
-        """Each optimizer parameter, and whether its update must move it: a learning rate above 0, no optimizer state
-        yet (the first update of any common optimizer moves an entry by at least ``lr · min(|g|, 1)``: SGD by
-        ``lr·g``, Adam, Adagrad, RMSprop and Lion by about ``lr``), and an entry where that exceeds twice its rounding
-        unit (an update below it rounds away, correctly)."""
+    def _moving(self) -> List[nn.Parameter]:
+        """The optimizer parameters whose update must move them: a learning rate above 0, no optimizer state yet (the
+        first update of any common optimizer moves an entry by at least ``lr · min(|g|, 1)``: SGD by ``lr·g``, Adam,
+        Adagrad, RMSprop and Lion by about ``lr``), and an entry where that exceeds twice its rounding unit (an update
+        below it rounds away, correctly)."""
         out = []
         for group in self.optimizer.param_groups:
             lr = float(group.get("lr", 1.0))
             for p in group["params"]:
-                grad, moves = p.grad, False
-                if lr > 0 and grad is not None and not self.optimizer.state.get(p):
-                    g, w = torch.nan_to_num(_local(grad).detach()).float(), _local(p).detach().float()
-                    moves = bool(((lr * g.abs().clamp(max=1.0)) > w.abs() * (2 * torch.finfo(p.dtype).eps)).any())
-                out.append((p, moves))
+                if lr > 0 and p.grad is not None and not self.optimizer.state.get(p):
+                    g, w = torch.nan_to_num(_local(p.grad).detach()).float(), _local(p).detach().float()
+                    if bool(((lr * g.abs().clamp(max=1.0)) > w.abs() * (2 * torch.finfo(p.dtype).eps)).any()):
+                        out.append(p)
         return out
-
-    def before_update(self) -> bool:
-        """Fingerprint the trained weights before the wrapped optimizer's update.
-
-        Returns:
-            Whether this update is the one to check (some weight should move).
-        """
-        self._moving_now = self._moving()
-        if not any(moves for _, moves in self._moving_now):
-            return False
-        self._trained_before = fingerprints([p for p, _ in self._moving_now])
-        return True
 
     def after_update(self) -> None:
         """Compare after the update; the guard is then done.
@@ -143,9 +124,8 @@ class WeightGuard:
                     "optimizer). Training stops here; make it trainable (it then gets the private update) or keep "
                     "it fixed."
                 )
-        stuck = [p for (p, moves), before, after in zip(self._moving_now, self._trained_before,
-                                                          fingerprints([p for p, _ in self._moving_now]))
-                 if moves and before == after]
+        stuck = [p for p, before, after in zip(self._moving_now, self._trained_before, fingerprints(self._moving_now))
+                 if before == after]
         if stuck:
             raise ValueError(
                 f"The trained weight {self.names[id(stuck[0])]!r} (and {len(stuck) - 1} more) did not move in the "
