@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import trl_userdp
+from trl_userdp.grad_sample import ghost as ghost_module
 from trl_userdp.mechanisms import AdaptiveClipUserDPSGD
 
 from ..helpers import first_batch, make_private, rel_err
@@ -244,3 +245,65 @@ def test_after_the_self_check_autograd_computes_no_weight_gradient_for_ghost_lay
             optimizer.step()
         released[mode] = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert rel_err(released["ghost"], released["hooks"]) < 1e-6
+
+
+class _TiedLM(torch.nn.Module):
+    """Embedding → tanh → LM head, the head's weight the embedding's (a tied LM head on its own)."""
+
+    def __init__(self, vocab=40, width=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def _tied_released(ids, users, weights, route, clip):
+    """The released clipped sum of one step (σ = 0, every user drawn), and how many mixed-route cross terms it took."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = _TiedLM()
+    engine = trl_userdp.PrivacyEngine()
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(ids, weights)), user_ids=users, max_samples_per_user=3,
+        users_per_batch=float(len(set(users))), steps=1, sampling_seed=0, noise_multiplier=0.0, max_grad_norm=clip,
+        grad_sample_mode="ghost")
+    engine.hooks.norm_route = route
+    calls = []
+    real = ghost_module.tied_cross_direct
+    ghost_module.tied_cross_direct = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        for x, w in loader:
+            target = torch.arange(x.shape[1]).expand_as(x) % 40
+            losses = torch.nn.functional.cross_entropy(model(x).transpose(1, 2), target, reduction="none").mean(1)
+            (losses * w).mean().backward()
+            optimizer.step()
+            released = torch.cat([p.grad.flatten() for p in model.parameters()]) * optimizer.expected_batch_size
+    finally:
+        ghost_module.tied_cross_direct = real
+    return released, len(calls)
+
+
+@pytest.mark.parametrize("route", ["gram", "direct", "auto"])
+def test_a_tied_lm_head_on_either_route_keeps_each_user_within_the_clip(route):
+    """A weight tied between an embedding and an LM head: on the Gram route both layers' Gram matrices give the cross
+    term; on the direct route (the head's unit gradient, cheaper once a user's positions outnumber the head's
+    ``D·V/(D+V)``: "auto" here) the head's unit gradient does. An adversarial user (loss ×10⁴, its rows repeating
+    one token) moves the released sum by at most C; the control, without clipping, moves it far more."""
+    g = torch.Generator().manual_seed(1)
+    users = [0, 0, 0, 1, 1, 2, 3, 3, 3]
+    ids = torch.randint(0, 40, (len(users), 12), generator=g)
+    ids[:3] = 7  # the adversary's rows: one token, so its embedding and head gradients add up
+    weights = torch.ones(len(users))
+    weights[:3] = 1e4
+    keep = [i for i, u in enumerate(users) if u != 0]
+    for clip, within in ((0.5, True), (1e9, False)):
+        with_user, calls = _tied_released(ids, users, weights, route, clip)
+        without, _ = _tied_released(ids[keep], [users[i] for i in keep], weights[keep], route, clip)
+        influence = float(torch.linalg.vector_norm(with_user - without))
+        assert calls == (0 if route == "gram" else 1)  # 12+ positions per user > 8·40/48: "auto" takes the head direct
+        assert (influence <= clip * (1 + 1e-4)) if within else influence > 100, (route, clip, influence)

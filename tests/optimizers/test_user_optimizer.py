@@ -115,3 +115,24 @@ def test_steps_clear_stale_grad_samples_without_zero_grad(mode):
         assert all(getattr(p, "grad_sample", None) is None for p in optimizer.params)
         if step == 3:
             break
+
+
+@pytest.mark.parametrize("secure_mode", [False, True])
+@pytest.mark.parametrize("std", [0.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_noise_is_opacus_draw_added_in_one_tensor(dtype, std, secure_mode):
+    """add_gaussian_noise gives exactly Opacus's summed_grad + _generate_noise(...) for the same generator state, in
+    a tensor that shares no memory with the sum."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    from trl_userdp.optimizers.noise import add_gaussian_noise
+
+    summed = torch.randn(37, 5, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ours = add_gaussian_noise(summed, std, torch.Generator().manual_seed(3), secure_mode)
+    theirs = summed + _generate_noise(std=std, reference=summed, generator=torch.Generator().manual_seed(3),
+                                      secure_mode=secure_mode)
+    assert ours.dtype == theirs.dtype == dtype
+    assert torch.equal(ours, theirs)
+    assert ours.data_ptr() != summed.data_ptr()
+    if std:  # the control: another generator state draws other noise
+        assert not torch.equal(ours, add_gaussian_noise(summed, std, torch.Generator().manual_seed(4), secure_mode))

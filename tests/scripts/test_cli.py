@@ -138,3 +138,35 @@ def test_audit_of_a_dpo_policy_reads_its_implicit_reward_margins(mechanism, tmp_
     else:
         assert report.consistent and report.fdp_claim_rejected is False, report.summary()
         assert "f-DP audit of the claimed curve: not rejected" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """A tiny reward model (a BERT sequence classifier, as `reward` saves the packaged MiniLM) and a tiny causal LM,
+    saved as the commands would find them."""
+    from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("models")
+    BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=16, num_labels=1)).save_pretrained(root / "reward")
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(root / "policy")
+    return root
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["dpo", "--model_name_or_path", "{reward}"],
+     "--model_name_or_path '{reward}' is BertForSequenceClassification, not a causal language model"),
+    (["rl", "--model_name_or_path", "{reward}", "--reward_model", "{reward}"],
+     "--model_name_or_path '{reward}' is BertForSequenceClassification, not a causal language model"),
+    (["rl", "--model_name_or_path", "{policy}", "--reward_model", "{policy}"],
+     "--reward_model '{policy}' is LlamaForCausalLM, not a sequence classifier (a reward model"),
+])
+def test_a_model_of_the_wrong_kind_is_one_line_before_loading(args, needle, saved_models, tmp_path, capsys):
+    """Issue 44, item 1: a reward model given to `dpo` as its policy (an easy slip in the reward → dpo chain) loaded as
+    BertLMHeadModel and ended in a 100-line traceback; a policy given to `rl` as its reward model would score with a
+    random head. Both are refused in one line, exit status 2."""
+    paths = {"reward": str(saved_models / "reward"), "policy": str(saved_models / "policy")}
+    assert main([a.format(**paths) for a in args] + ["--output_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert needle.format(**paths) in err and len(err.strip().splitlines()) == 1, err

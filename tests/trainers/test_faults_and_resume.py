@@ -121,16 +121,16 @@ SEEDED = dict(noise_multiplier=1.0, target_epsilon=None, privacy_seed=7, account
 
 @pytest.fixture
 def noise_draws(monkeypatch):
-    from opacus.optimizers import optimizer as opacus_optimizer
+    from trl_userdp.optimizers import noise as noise_module
 
-    real, draws = opacus_optimizer._generate_noise, []
+    real, draws = noise_module.gaussian_draw, []
 
     def recording(*args, **kwargs):
         noise = real(*args, **kwargs)
         draws.append(noise.detach().clone())
         return noise
 
-    monkeypatch.setattr(opacus_optimizer, "_generate_noise", recording)
+    monkeypatch.setattr(noise_module, "gaussian_draw", recording)
     return draws
 
 

@@ -58,8 +58,10 @@ NORM_SAMPLERS = GradSampleHooksFastGradientClipping.NORM_SAMPLERS
 
 def _pack(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``[R, ...]`` -> units ``[U, L·…, d]`` (token ids: ``[U, L·…]``), ``index[u, j]`` = the row of unit ``u``'s
-    ``j``-th row or ``R`` (a zero row)."""
-    padded = torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[index.to(t.device)]
+    ``j``-th row or ``R`` (a zero row); a view of ``t``, no copy, when the units' rows are its rows in order
+    (every unit ``L`` rows, one after the other)."""
+    in_order = index.numel() == t.shape[0] and bool(torch.equal(index.flatten(), torch.arange(index.numel())))
+    padded = t if in_order else torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[index.to(t.device)]
     return padded.reshape(index.shape[0], -1, t.shape[-1]) if t.is_floating_point() else padded.reshape(index.shape[0], -1)
 
 
@@ -100,11 +102,25 @@ def _rows_view(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return mask.to(t.device).view(-1, *([1] * (t.dim() - 1)))
 
 
+def _weights_on_input(module: nn.Module, params: List[nn.Parameter], activations: List[torch.Tensor],
+                      backprops: torch.Tensor) -> bool:
+    """Whether a book-kept sum ``Σ_r w_r a_rᵀ g_r`` may weight the rows of the input ``a`` instead of the output
+    gradient ``g`` (the same product, the smaller copy): a layer whose one trainable parameter is its weight (a bias's
+    gradient is ``Σ_r w_r g_r``), with a floating input narrower than its output."""
+    return (not isinstance(module, nn.Embedding) and len(params) == 1 and params[0] is getattr(module, "weight", None)
+            and activations[0].is_floating_point() and activations[0].shape[-1] < backprops.shape[-1])
+
+
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     """Floating tensors in fp32 (no copy when they are), token ids as they are."""
     return t.float() if t.is_floating_point() else t
 
 
+#: the direct route is taken while a layer's unit gradients hold at most this many times the memory of its stored
+#: input and output gradient (the Gram route's): 1.25 lets a square projection with a user's positions at 0.45 of its
+#: width (SmolLM's q and o, 256 positions) save its Gram matrices at 1.13× that memory, and keeps a 576 × 1,536 MLP layer
+#: (1.64×) on the Gram route
+DIRECT_MEMORY_SLACK = 1.25
 #: the unit roundoff of fp32, in which every ghost norm and book-kept sum is computed
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 #: a Gram norm is used as computed while its rounding bound is at most this share of it (else the bound is added)
@@ -153,6 +169,35 @@ def tied_cross_terms(first: Tuple[nn.Module, List[torch.Tensor], torch.Tensor],
         cross = cross.index_select(0, index[:, 0].to(cross.device))
     rounding = 4 * FP32_UNIT_ROUNDOFF * (math.sqrt(lengths[0]) + math.sqrt(lengths[1]) + lengths[2])
     return cross, rounding
+
+
+def tied_cross_direct(embedding: nn.Module, passes: List[Tuple[List[torch.Tensor], torch.Tensor, float]],
+                      unit_grads: torch.Tensor, index: torch.Tensor) -> Tuple[torch.Tensor, float]:
+    """``⟨G¹_u, G²_u⟩`` per unit for a weight tied between an embedding (Gram route: its passes' token ids ``i_t`` and
+    output gradients ``b_t``) and a linear layer on the direct route (its unit gradients ``G²_u``, ``[U, V, D]``):
+    ``Σ_t ⟨b_t, G²_u[i_t]⟩`` over the unit's positions, in fp32; a unit's rows long enough make the linear layer's unit
+    gradient cheaper than its Gram matrices (an LM head's ``(L·T)²·V``).
+
+    Args:
+        embedding: The embedding.
+        passes: Its backward passes' ``(activations, output gradients, scale)`` (output gradients unscaled).
+        unit_grads: The linear layer's unit gradients of the shared weight.
+        index: The packing index ``[U, L]`` (:func:`packing_index`).
+
+    Returns:
+        The cross terms ``[U]``, and the relative constant of their rounding error (``4u(√D + N)`` for ``N``
+        positions: each is within it times ``S_u ‖G²_u‖``, ``S_u`` the embedding's bound).
+    """
+    cross = torch.zeros(unit_grads.shape[0], device=unit_grads.device)
+    positions = 0
+    for activations, backprops, scale in passes:
+        ids, b = _pack(activations[0], index).to(unit_grads.device), _pack(_fp32(backprops), index)
+        if embedding.padding_idx is not None:  # autograd drops the padding row
+            b = b.masked_fill((ids == embedding.padding_idx).unsqueeze(-1), 0)
+        picked = torch.gather(unit_grads, 1, ids.unsqueeze(-1).expand(-1, -1, unit_grads.shape[-1]))  # G²_u[i_t]
+        cross += torch.einsum("upd,upd->u", picked.float(), b.to(unit_grads.device)) * scale
+        positions += ids.shape[1]
+    return cross, 4 * FP32_UNIT_ROUNDOFF * (math.sqrt(unit_grads.shape[-1]) + positions)
 
 
 @dataclass
@@ -462,15 +507,19 @@ class UserGhostHooks(UserGradSampleHooks):
 
     def _direct_route(self, module: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
                       slots: torch.Tensor) -> bool:
-        """Whether this layer's unit gradients ``[U, p, d]`` are cheaper than its Gram matrices (never for an
-        embedding: its unit gradient is a vocabulary-sized table)."""
+        """Whether this layer takes the direct route: its unit gradients ``[U, p, d]`` (``L·T·d·p`` operations a unit,
+        which also give the clipped sum) instead of its Gram matrices (``(L·T)²·(d + p)``, plus the book-kept sum's
+        ``L·T·d·p``). The direct route is never slower; it is taken unless it holds more than
+        :data:`DIRECT_MEMORY_SLACK` times the memory of the stored input and output gradient (``L·T·(d + p)`` a unit),
+        and never for an embedding (its unit gradient is a vocabulary-sized table)."""
         weight = getattr(module, "weight", None)
-        if weight in self.tied:  # the cross term with its other layer needs the Gram route's tensors
-            return False
+        if weight in self.tied and not (isinstance(module, nn.Linear) and any(
+                isinstance(other, nn.Embedding) for other in self.tied[weight])):
+            return False  # two tied linear layers: their cross term needs both Gram routes' tensors
         if isinstance(module, nn.Embedding) or self.norm_route != "auto" or weight is None:
             return self.norm_route == "direct" and not isinstance(module, nn.Embedding)
         positions = self._packing_index(slots).shape[1] * (backprops[0].numel() // backprops.shape[-1])
-        return positions * (activations[0].shape[-1] + backprops.shape[-1]) > weight.numel()
+        return DIRECT_MEMORY_SLACK * positions * (activations[0].shape[-1] + backprops.shape[-1]) >= weight.numel()
 
     def _unit_grads(self, module: nn.Module, params: List[nn.Parameter], activations: List[torch.Tensor],
                     backprops: torch.Tensor, slots: torch.Tensor, scale: float) -> Dict[nn.Parameter, torch.Tensor]:
@@ -608,8 +657,10 @@ class UserGhostHooks(UserGradSampleHooks):
         direct = [(p, g) for record in self._records.values() if record.unit_grads is not None
                   for p, g in record.unit_grads.items()]
         norm2, rounding2 = torch.zeros(n_units), torch.zeros(n_units)
-        for _, sums in materialised + direct:
-            norm2 += torch.linalg.vector_norm(sums.flatten(1), dim=1, dtype=torch.float32).pow(2).cpu()
+        direct_norm2 = {}
+        for p, sums in materialised + direct:
+            direct_norm2[p] = torch.linalg.vector_norm(sums.flatten(1), dim=1, dtype=torch.float32).pow(2).cpu()
+            norm2 += direct_norm2[p]
         # the norms the self-check compares: {layers: (their parameters, [U] squared norms)}
         components: Dict[Tuple[nn.Module, ...], Tuple[Tuple[nn.Parameter, ...], torch.Tensor]] = {}
         for module, record in self._records.items():
@@ -619,16 +670,26 @@ class UserGhostHooks(UserGradSampleHooks):
                 norm2 += record.norm2.cpu()
                 rounding2 += record.rounding * record.bound.cpu().pow(2)
                 components[(module,)] = (tuple(record.params), record.norm2.cpu())
+        checked_per_param = materialised + direct
         for (first, one), (second, other) in pairs:  # a shared weight: the cross term of its two layers
-            cross, rounding = tied_cross_terms((first, *one.passes[0][:2]), (second, *other.passes[0][:2]),
-                                               self._packing_index(row_slots))
-            cross = 2 * cross.cpu() * one.passes[0][2] * other.passes[0][2]
-            norm2 += cross
-            rounding2 += 2 * max(rounding, one.rounding, other.rounding) * (one.bound * other.bound).cpu()
             params = tuple(dict.fromkeys(one.params + other.params))
-            components[(first, second)] = (params, components.pop((first,))[1] + components.pop((second,))[1] + cross)
+            if other.unit_grads is not None:  # an embedding (Gram route) and a linear layer on the direct route
+                (weight, unit_grads), = other.unit_grads.items()
+                cross, rounding = tied_cross_direct(first, one.passes, unit_grads, self._packing_index(row_slots))
+                cross = 2 * cross.cpu()
+                rounding2 += 2 * max(rounding, one.rounding) * one.bound.cpu() * direct_norm2[weight].sqrt()
+                components[(first, second)] = (params, components.pop((first,))[1] + direct_norm2[weight] + cross)
+                checked_per_param = [(p, g) for p, g in checked_per_param if g is not unit_grads]
+            else:
+                cross, rounding = tied_cross_terms((first, *one.passes[0][:2]), (second, *other.passes[0][:2]),
+                                                   self._packing_index(row_slots))
+                cross = 2 * cross.cpu() * one.passes[0][2] * other.passes[0][2]
+                rounding2 += 2 * max(rounding, one.rounding, other.rounding) * (one.bound * other.bound).cpu()
+                components[(first, second)] = (params,
+                                               components.pop((first,))[1] + components.pop((second,))[1] + cross)
+            norm2 += cross
         if self.record_row_norms:
-            self._keep_check_norms(materialised + direct, components)
+            self._keep_check_norms(checked_per_param, components)
         norm2 = torch.where(rounding2 > TRUSTED_SHARE * norm2, norm2 + rounding2, norm2)
         norms = norm2.sqrt() / counts  # (a bound on) the norm of each unit's average
         bad = ~torch.isfinite(norms)
@@ -646,10 +707,15 @@ class UserGhostHooks(UserGradSampleHooks):
                     backprops = backprops.masked_fill(_rows_view(rows_bad, backprops), 0)
                     activations = [a.masked_fill(_rows_view(rows_bad, a), 0) if a.is_floating_point() else a
                                    for a in activations]
-                # the book-kept sum in fp32 (weights c_u/n_u per row), cast to the parameter's dtype once
-                scaled = _fp32(backprops) * _rows_view(row_weights * scale, backprops)
+                # the book-kept sum in fp32 (weights c_u/n_u per row), cast to the parameter's dtype once; the
+                # weights scale the smaller of the layer's input and output gradient (an LM head's: its input)
+                w = (row_weights * scale).to(backprops.device)
+                if _weights_on_input(module, record.params, activations, backprops):
+                    activations = [activations[0] * _rows_view(w, activations[0]), *activations[1:]]
+                else:
+                    backprops = backprops * _rows_view(w, backprops)  # fp32 weights: an fp32 product
                 for p, g in self._whole_batch_gradient(module, record.params, [_fp32(a) for a in activations],
-                                                       scaled).items():
+                                                       _fp32(backprops)).items():
                     g = g.to(self._sum_dtype(p))
                     total[p] = g if p not in total else total[p] + g
             return total
@@ -660,10 +726,10 @@ class UserGhostHooks(UserGradSampleHooks):
             unit_weights = round_down(weights, sums.dtype).to(sums.device)
             return {p: torch.einsum("u,u...->...", unit_weights, sums)}
 
-        def book_kept_together(*layers: Tuple[nn.Module, LayerRecord]) -> Dict[nn.Parameter, torch.Tensor]:
+        def together(*parts: Callable[[], Dict[nn.Parameter, torch.Tensor]]) -> Dict[nn.Parameter, torch.Tensor]:
             total: Dict[nn.Parameter, torch.Tensor] = {}
-            for module, record in layers:
-                for p, g in book_kept(module, record).items():
+            for part in parts:
+                for p, g in part().items():
                     total[p] = g if p not in total else total[p] + g
             return total
 
@@ -672,24 +738,32 @@ class UserGhostHooks(UserGradSampleHooks):
             if record.passes:
                 group = functools.partial(book_kept, module, record)
                 groups.update({p: group for p in record.params})
-        for layers in pairs:  # one group for both layers of a shared weight, so that each sum is added once
-            group = functools.partial(book_kept_together, *layers)
-            groups.update({p: group for _, record in layers for p in record.params})
         for p, sums in materialised + direct:
             groups[p] = functools.partial(weighted, p, sums)
+        for layers in pairs:  # one group for both layers of a shared weight, so that each sum is added once
+            group = functools.partial(together, *(
+                functools.partial(book_kept, module, record) if record.unit_grads is None else
+                functools.partial(weighted, *next(iter(record.unit_grads.items()))) for module, record in layers))
+            groups.update({p: group for _, record in layers for p in record.params})
         self._emit(groups)
         self.units_seen.update(self.unit_ids)
         self.non_finite_units |= bool(bad.any())
         self._reset_micro_batch()
 
     def _tied_pairs(self, row_slots: torch.Tensor) -> List[Tuple[Tuple[nn.Module, LayerRecord], ...]]:
-        """The two layers of each shared weight (:attr:`tied`) that both ran in this micro-batch on the Gram route,
-        with their records. A pair with several backward passes through either layer is materialised instead (both
-        layers' unit gradients summed, their norm taken from the sum)."""
+        """The two layers of each shared weight (:attr:`tied`) that both ran in this micro-batch, with their records:
+        both on the Gram route, or an embedding on the Gram route first and a linear layer on the direct route second.
+        A pair of Gram routes with several backward passes through either layer is materialised instead (both layers'
+        unit gradients summed, their norm taken from the sum)."""
         pairs = []
         for first, second in self.tied.values():
             one, other = self._records.get(first), self._records.get(second)
-            if one is None or other is None or one.unit_grads is not None or other.unit_grads is not None:
+            if one is None or other is None:
+                continue
+            if one.unit_grads is not None:
+                (first, one), (second, other) = (second, other), (first, one)
+            if other.unit_grads is not None:  # the direct route is only ever the linear layer's beside an embedding
+                pairs.append(((first, one), (second, other)))
                 continue
             if len(one.passes) == 1 and len(other.passes) == 1:
                 pairs.append(((first, one), (second, other)))

@@ -21,6 +21,7 @@ import torch
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
 from ..mechanisms.adaptive_clipping import default_count_noise_multiplier, gradient_noise_multiplier, next_clip
+from .noise import add_gaussian_noise
 from .user_optimizer import UserDPOptimizer, UserDPOptimizerFastGradientClipping
 
 
@@ -68,9 +69,8 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
         """Gradient noise ``N(0, (σ_Δ C_t)²)``; then the noisy centred count moves the clip for the next step."""
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-            noise = _generate_noise(std=self.gradient_noise_multiplier * self.max_grad_norm, reference=p.summed_grad,
-                                    generator=self.generator, secure_mode=self.secure_mode)
-            p.grad = (p.summed_grad + noise).view_as(p)
+            p.grad = add_gaussian_noise(p.summed_grad, self.gradient_noise_multiplier * self.max_grad_norm,
+                                        self.generator, self.secure_mode).view_as(p)
             _mark_as_processed(p.summed_grad)
         centred = self.within_clip() - self.units_in_step / 2
         reference = torch.zeros((), device=self.params[0].device if self.params else "cpu")

@@ -18,10 +18,11 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import torch
-from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch.optim import Optimizer
 
 from ..seeding import derive_seed
+from .noise import add_gaussian_noise
 from .user_optimizer import StopTogether, UserDPOptimizerFastGradientClipping
 
 
@@ -68,8 +69,7 @@ class ShardedUserDPOptimizerFastGradientClipping(StopTogether, UserDPOptimizerFa
 
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-            noise = _generate_noise(std=self.noise_multiplier * self.max_grad_norm, reference=p.summed_grad,
-                                    generator=self.generator, secure_mode=self.secure_mode)
-            p.grad = DTensor.from_local(p.summed_grad + noise, p.device_mesh, p.placements, shape=p.shape,
-                                        stride=p.stride())
+            noisy = add_gaussian_noise(p.summed_grad, self.noise_multiplier * self.max_grad_norm, self.generator,
+                                       self.secure_mode)
+            p.grad = DTensor.from_local(noisy, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             _mark_as_processed(p.summed_grad)

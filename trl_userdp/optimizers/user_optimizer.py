@@ -20,6 +20,7 @@ from ..grad_sample import UserGradSampleHooks
 from ..grad_sample.checks import check_unit_sums
 from ..grad_sample.precision import product_margin, round_down
 from ..seeding import derive_seed
+from .noise import add_gaussian_noise
 from .weight_guard import WeightGuard
 
 
@@ -244,6 +245,15 @@ class UserDPOptimizer(DPOptimizer):
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
             _mark_as_processed(p.grad_sample)
 
+    def add_noise(self) -> None:
+        """Opacus's ``add_noise`` (``p.grad = p.summed_grad + N(0, σ²C²)``, the same draw), with one new tensor per
+        parameter instead of three (:func:`~trl_userdp.optimizers.noise.add_gaussian_noise`)."""
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            p.grad = add_gaussian_noise(p.summed_grad, self.noise_multiplier * self.max_grad_norm, self.generator,
+                                        self.secure_mode).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
         """Key this step's noise, hand Opacus the per-unit averaged gradients, then Opacus's ``pre_step`` (clip,
         sum, noise, scale, step hook)."""
@@ -420,6 +430,15 @@ class DistributedUserDPOptimizer(StopTogether, UserDPOptimizer, DistributedDPOpt
         world_size = torch.distributed.get_world_size()
         super().__init__(optimizer, expected_batch_size=expected_batch_size / world_size, **kwargs)
         self.global_expected_batch_size = float(expected_batch_size)
+
+    def add_noise(self) -> None:
+        """Opacus's ``DistributedDPOptimizer.add_noise``: rank 0 alone adds the noise (:meth:`UserDPOptimizer.add_noise`,
+        which would otherwise come first in this class's order)."""
+        if self.rank == 0:
+            super().add_noise()
+        else:
+            for p in self.params:
+                p.grad = p.summed_grad.view_as(p)
 
 
 class DistributedUserDPOptimizerFastGradientClipping(DistributedUserDPOptimizer, UserDPOptimizerFastGradientClipping):

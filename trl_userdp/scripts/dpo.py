@@ -16,7 +16,8 @@ from typing import Optional
 
 from trl import ModelConfig, get_peft_config
 
-from .utils import SHARD_HELP, UserDataArguments, _done, _load_data, command_parser, run_script, shard_for_training
+from .utils import (SHARD_HELP, UserDataArguments, _done, _load_data, check_model_kind, command_parser, run_script,
+                    shard_for_training)
 
 #: the command's line in ``trl-userdp --help``
 HELP = "Train a policy with user-level private DPO (UserDPDPOTrainer)."
@@ -82,8 +83,10 @@ def main(script_args: UserDataArguments, training_args, model_args: PolicyModelC
 
     from ..trainers import UserDPDPOTrainer
 
-    train, eval_dataset = _load_data(script_args, training_args, for_dpo=True)
     tiny = model_args.model_name_or_path in ("tiny", "minilm")
+    if not tiny:  # before any data or weights load
+        check_model_kind(model_args.model_name_or_path, model_args.model_revision, "causal-lm", "--model_name_or_path")
+    train, eval_dataset = _load_data(script_args, training_args, for_dpo=True)
     if tiny:
         from ..experiments.imdb import public_corpus  # lazy: the experiments load datasets
         from ..experiments.pipeline import small_causal_lm

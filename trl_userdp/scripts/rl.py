@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 from trl import ModelConfig, ScriptArguments, get_peft_config
 
-from .utils import _done, _load_splits, command_parser, run_script
+from .utils import _done, _load_splits, check_model_kind, command_parser, run_script
 
 #: the command's line in ``trl-userdp --help``
 HELP = "Online RL (GRPO) on a private reward model: post-processing, no new ε."
@@ -190,6 +190,8 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, r
 
     from ..trainers import PublicPromptGRPOTrainer
 
+    check_model_kind(rl_args.reward_model, None, "reward", "--reward_model")  # before any data or weights load
+    check_model_kind(model_args.model_name_or_path, model_args.model_revision, "causal-lm", "--model_name_or_path")
     if script_args.dataset_name is None:
         from ..experiments.imdb import load_imdb_reviews  # lazy: the experiments load datasets
         from ..experiments.pipeline import snippet

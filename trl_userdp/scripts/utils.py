@@ -281,6 +281,47 @@ SHARD_HELP = ("FSDP2: shard the model over the processes (fully_shard on each of
               "launch; needs --grad_sample_mode ghost and no --use_peft.")
 
 
+#: what each kind of model a command loads is, for :func:`check_model_kind`'s message
+MODEL_KINDS = {"causal-lm": "a causal language model (a policy)",
+               "reward": "a sequence classifier (a reward model, from `trl-userdp reward`)"}
+
+
+def check_model_kind(path: str, revision: Optional[str], kind: str, option: str) -> None:
+    """Refuse, in one line and before any weight is loaded, a saved model of the wrong kind for its option: a reward
+    model given as a policy (transformers would load it as a language model with a random head, and fail or train
+    noise), or a policy given as a reward model (its score head would be random). LoRA adapters are checked on the
+    base that loads them.
+
+    Args:
+        path: The model's folder or hub id.
+        revision: Its revision.
+        kind: ``"causal-lm"`` or ``"reward"`` (:data:`MODEL_KINDS`).
+        option: The option that named it, for the message (``--model_name_or_path``).
+
+    Raises:
+        ValueError: The saved architecture is of another kind.
+    """
+    from transformers import AutoConfig  # lazy: transformers
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return
+    config = AutoConfig.from_pretrained(path, revision=revision)
+    saved = list(config.architectures or [])
+    causal = [a for a in saved if a in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())]
+    classifier = [a for a in saved if a in set(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())]
+    if kind == "causal-lm":
+        wrong = (saved and not causal) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    else:
+        wrong = bool(causal) and not classifier
+    if wrong:
+        what = ", ".join(saved) or f"a {config.model_type} model"
+        raise ValueError(f"{option} {path!r} is {what}, not {MODEL_KINDS[kind]}: "
+                         + ("pass the policy's base model (e.g. `tiny`, or the one your reward model started from)."
+                            if kind == "causal-lm" else "pass the output directory of `trl-userdp reward`."))
+
+
 def shard_for_training(model, model_args, training_args):
     """``--shard_model``: the model sharded by :func:`~trl_userdp.distributed.shard_model` on the training device.
 
