@@ -160,3 +160,19 @@ def test_a_calibration_is_computed_once_per_process_and_is_the_same_sigma():
     assert _calibrate.cache_info().hits == hits + 1
     assert first == _calibrate.__wrapped__(event, 4.0, DELTA, 0.1, 20, "rdp", "add_or_remove", 1e-4)
     assert event.calibrate(4.0, DELTA, sample_rate=0.1, steps=40, accountant="rdp") > first
+
+
+@pytest.mark.parametrize("start", [0.3, 1.0, 60.0])
+def test_the_calibrated_sigma_does_not_depend_on_where_the_search_starts(start):
+    """ELS starts its search at the group-privacy σ (issue 44, item 5: `account` spent most of its time on ELS at
+    small σ); any start gives the same σ within the tolerance, and the group-privacy σ is above ELS's."""
+    from trl_userdp.accountants.analysis import calibrate_noise_multiplier
+    from trl_userdp.accountants.events import COARSE_DISCRETIZATION
+
+    event = ELSGaussian(3)
+    sigma = calibrate_noise_multiplier(lambda s: event(s, 0.5, 4), target_epsilon=3.0, target_delta=1e-5,
+                                       accountant="pld", tol=1e-3, start=start,
+                                       value_discretization_interval=COARSE_DISCRETIZATION)
+    default = event.calibrate(3.0, 1e-5, sample_rate=0.5, steps=4, tol=1e-3)
+    assert abs(sigma - default) < 3e-3
+    assert event.search_start(3.0, 1e-5, 0.5, 4, "add_or_remove") >= default

@@ -76,6 +76,15 @@ def test_help_lists_config_and_then_the_privacy_options_in_their_own_group(capsy
     assert text.index("--target_epsilon") < text.index("--learning_rate")
 
 
+def test_rl_help_lists_the_reward_model_with_the_privacy_options(capsys):
+    """Issue 44, item 3: `rl --help` had `--reward_model` (whose ε the policy carries) at line ~1,162 of 1,170."""
+    with pytest.raises(SystemExit):
+        main(["rl", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    group = next(i for i, line in enumerate(lines) if line.startswith("user-level privacy (trl_userdp"))
+    assert group < 10 and lines[group + 1].strip().startswith("--reward_model")
+
+
 def test_a_command_runs_as_a_module_of_its_own_with_the_same_one_line_errors():
     """`python -m trl_userdp.scripts.<command>`, as TRL's `python trl/scripts/dpo.py`."""
     proc = subprocess.run([sys.executable, "-m", "trl_userdp.scripts.account", "--delta", "2"], capture_output=True,

@@ -13,7 +13,7 @@ from trl_userdp.scripts.rl import _positions, _truncate_reward_inputs
 from ..tiny_models import tiny_gpt2_rm, tiny_llama_lm, tiny_llama_rm, tiny_tokenizer
 
 
-def test_rl_runs_on_the_users_own_prompts_with_a_policy_by_path(tmp_path):
+def test_rl_runs_on_the_users_own_prompts_with_a_policy_by_path(tmp_path, capsys):
     """`rl` used to work only after the pipeline ran in the same folder, on IMDb prompts: now any dataset with a
     `prompt` column and any policy path; the policy carries the reward model's ε (post-processing)."""
     tokenizer = tiny_tokenizer()
@@ -41,6 +41,16 @@ def test_rl_runs_on_the_users_own_prompts_with_a_policy_by_path(tmp_path):
     no_prompt.write_text('{"text": "a"}\n')
     assert main(["rl", "--dataset_name", str(no_prompt), "--model_name_or_path", str(policy), "--reward_model",
                  str(tmp_path / "reward"), "--output_dir", str(tmp_path / "bad")]) == 2
+    # issue 44, item 3: a prompts file with a user column (the users' own prompts) was refused with a pointer to
+    # `public_columns`, a trainer argument the command line does not have: one line naming the trainer that trains on them
+    own = tmp_path / "own_prompts.jsonl"
+    own.write_text("\n".join(json.dumps({"prompt": "the movie was", "user_id": f"u{i}"}) for i in range(4)) + "\n")
+    capsys.readouterr()
+    assert main(["rl", "--dataset_name", str(own), "--model_name_or_path", str(policy), "--reward_model",
+                 str(tmp_path / "reward"), "--output_dir", str(tmp_path / "own")]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # datasets' bar aside
+    assert err.startswith("trl-userdp: error: ") and "columns ['user_id'] besides 'prompt'" in err
+    assert "UserDPGRPOTrainer" in err
 
 
 def test_reward_inputs_beyond_the_reward_models_positions_are_truncated():

@@ -15,6 +15,10 @@ def test_the_card_names_the_base_and_its_quick_start_loads_the_saved_model(tmp_p
     card = (out / "README.md").read_text()
     assert "None" not in card.split("## Training procedure")[0]
     assert "fine-tuned version of a `llama` model built from its configuration" in card
+    # issue 44, item 6: the card says which trainer ran, not TRL's "This model was trained with Reward."
+    assert "This model was trained with trl_userdp's `UserDPRewardTrainer`: user-level differentially private reward" \
+        " modeling" in card
+    assert "trained with Reward." not in card
     (quick_start,) = re.findall(r"## Quick start\n\n```python\n(.*?)```", card, re.S)
     assert f'model="{out}"' in quick_start
     monkeypatch.chdir(tmp_path)

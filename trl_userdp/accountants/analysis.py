@@ -292,11 +292,13 @@ def calibrate_noise_multiplier(
     tol: float = 1e-4,
     min_sigma: float = 0.05,
     max_sigma: float = 1e4,
+    start: float = 1.0,
+    factor: float = 2.0,
     **options,
 ) -> float:
     """Smallest σ (within ``tol``) whose event meets ``(target_epsilon, target_delta)``.
 
-    A bracket is found by doubling/halving from σ = 1, then dp-accounting's
+    A bracket is found by multiplying or dividing by ``factor`` from σ = ``start``, then dp-accounting's
     ``calibrate_dp_mechanism`` bisects (Brent) inside it. The returned σ never exceeds the budget.
 
     Args:
@@ -309,6 +311,8 @@ def calibrate_noise_multiplier(
         tol: The tolerance on σ.
         min_sigma: The smallest σ searched.
         max_sigma: The largest σ searched.
+        start: Where the bracket search starts (any σ in range is correct; one near the answer is faster).
+        factor: The search's step (σ multiplied or divided by it until ε crosses the target), > 1.
         **options: Passed to :func:`make_accountant`.
 
     Returns:
@@ -333,10 +337,10 @@ def calibrate_noise_multiplier(
             _compose(event, accountant, relation, group_size, **options)  # raises with the reason and a hint
         return probe.compose(event).get_epsilon(target_delta)
 
-    lo, hi = 1.0, 1.0
+    lo = hi = min(max(float(start), min_sigma), max_sigma)
     if eps(hi) > target_epsilon:
         while eps(hi) > target_epsilon:
-            lo, hi = hi, 2 * hi
+            lo, hi = hi, factor * hi
             if hi > max_sigma:
                 raise ValueError(
                     f"target_epsilon={target_epsilon} at target_delta={target_delta} needs a noise multiplier "
@@ -344,7 +348,7 @@ def calibrate_noise_multiplier(
                 )
     else:
         while eps(lo) <= target_epsilon:
-            hi, lo = lo, lo / 2
+            hi, lo = lo, lo / factor
             if lo < min_sigma:
                 raise ValueError(
                     f"target_epsilon={target_epsilon} is met even with a noise multiplier of {min_sigma}: "

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import logging
 import os
-from typing import Optional
+from typing import ClassVar, Optional, Tuple
 
 import numpy as np
 from trl import ModelConfig, ScriptArguments, get_peft_config
@@ -33,7 +33,11 @@ logger = logging.getLogger("trl_userdp.scripts.rl")  # not __name__: "__main__" 
 class RLArguments:
     """Online RL with GRPO on a private reward model saved by ``trl-userdp reward``."""
 
-    reward_model: str = dataclasses.field(default="runs/reward", metadata={"help": "Directory with the reward model and privacy_report.json."})
+    #: listed with the privacy options, first in ``--help``
+    privacy_options: ClassVar[Tuple[str, ...]] = ("reward_model",)
+
+    reward_model: str = dataclasses.field(default="runs/reward", metadata={
+        "help": "Directory with the reward model and privacy_report.json (the ε the policy carries)."})
     n_prompts: int = dataclasses.field(default=64, metadata={"help": "IMDb prompts (first 2-8 words of reviews), without --dataset_name."})
 
 
@@ -209,6 +213,12 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, r
         if "prompt" not in prompts.column_names:
             raise ValueError(f"dataset {script_args.dataset_name!r} has no 'prompt' column (it has "
                              f"{prompts.column_names}).")
+        others = sorted(set(prompts.column_names) - {"prompt"})
+        if others:  # a user column: the users' own prompts, which this command does not privatise
+            raise ValueError(f"dataset {script_args.dataset_name!r} has columns {others} besides 'prompt': `rl` trains "
+                             "on public prompts (the policy carries the reward model's ε). Users' own prompts need "
+                             "user-level DP on them: UserDPGRPOTrainer from Python (docs/trainers.md, \"GRPO on the "
+                             "users' own prompts\"); or drop the columns if the prompts are public.")
     # LoRA adapters (`reward --use_peft`) load on the base they name, with the report of their folder
     reward_model = _with_report(
         AutoModelForSequenceClassification.from_pretrained(rl_args.reward_model, num_labels=1), rl_args.reward_model)

@@ -48,7 +48,8 @@ class UserDataArguments(ScriptArguments):
 class _Parser(TrlParser):
     """``TrlParser`` whose usage errors (an invalid choice, a missing value) are the CLI's one line, not argparse's
     usage block, and whose ``--help`` lists ``--config`` and then the privacy options, in their own group, before the
-    hundreds of TRL's and transformers' options (each dataclass in a group of its own)."""
+    hundreds of TRL's and transformers' options (each dataclass in a group of its own). The privacy options are
+    ``UserDPArguments``' fields, and those another dataclass names in its ``privacy_options``."""
 
     PRIVACY_GROUP = "user-level privacy (trl_userdp; docs/privacy_model.md)"
 
@@ -67,7 +68,8 @@ class _Parser(TrlParser):
         # lazy: the trainers package loads transformers' Trainer and TRL's trainers
         from ..trainers.privacy_config import UserDPArguments
 
-        privacy = {f.name for f in dataclasses.fields(UserDPArguments)} if issubclass(dtype, UserDPArguments) else ()
+        privacy = ({f.name for f in dataclasses.fields(UserDPArguments)} if issubclass(dtype, UserDPArguments) else
+                   set(getattr(dtype, "privacy_options", ())))
         groups = {title: self.add_argument_group(title) for title in (self.PRIVACY_GROUP,) if privacy}
         other = self.add_argument_group(f"{dtype.__name__} options")
         hints = typing.get_type_hints(dtype)

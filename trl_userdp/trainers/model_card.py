@@ -12,6 +12,8 @@ from ..accountants import PrivacyReport
 
 #: tags added to TRL's own in every card
 TAGS = ["trl_userdp", "user-level-dp"]
+#: the method each TRL trainer's ``_name`` stands for, where the name alone does not say it
+METHODS = {"Reward": "reward modeling"}
 
 
 class PrivacyModelCardMixin:
@@ -69,6 +71,12 @@ class PrivacyModelCardMixin:
         card = card.replace('model="None"', f"model={json.dumps(self.args.output_dir)}")
         # the reward card's pipeline infers its task from the hub, which a local folder (or an offline machine) lacks
         card = card.replace("pipeline(model=", 'pipeline("text-classification", model=')
+        # TRL's "This model was trained with Reward." names its trainer's method, not the private one that ran
+        name = getattr(self, "_name", None)
+        if name:
+            card = card.replace(f"This model was trained with {name}",
+                                f"This model was trained with trl_userdp's `{type(self).__name__}`: user-level "
+                                f"differentially private {METHODS.get(name, name)}")
         report = self.card_privacy_report()
         if report is not None:
             card += "\n" + report.to_markdown()
