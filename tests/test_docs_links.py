@@ -46,7 +46,7 @@ def test_every_relative_link_leads_to_a_tracked_file_and_heading(page):
 def test_every_cited_section_exists():
     missing, cited = [], 0
     for name in TRACKED:
-        if not name.endswith((".py", ".md", ".toml", ".yaml")):
+        if not name.endswith((".py", ".md", ".toml", ".yaml")) or name == "tests/test_docs_links.py":  # its examples
             continue
         for target, section in CITATION.findall((ROOT / name).read_text(errors="ignore")):
             page = next((p for p in (ROOT / target, (ROOT / name).parent / target, ROOT / "docs" / Path(target).name)
