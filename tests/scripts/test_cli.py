@@ -179,3 +179,26 @@ def test_a_model_of_the_wrong_kind_is_one_line_before_loading(args, needle, save
     assert main([a.format(**paths) for a in args] + ["--output_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert needle.format(**paths) in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_reward_run_on_thirty_users_says_nothing_the_user_did_not_cause(tmp_path, capfd, caplog, recwarn):
+    """Issue 44, item 6: a first `reward` run printed 4–7 warnings the user did not cause: transformers' deprecation of
+    TRL's default `gradient_checkpointing`, warnings about TRL's defaults max_grad_norm=1.0 and gradient checkpointing
+    (now INFO lines), pin_memory on a CPU, torch's backward-hook notice at every step, transformers' load report of the
+    new reward head and its special-token alignment. Now none: no warning record, no Python warning."""
+    import json
+    import logging
+
+    caplog.set_level(logging.INFO, logger="trl_userdp")  # an earlier command may have set the package's level
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("\n".join(json.dumps({"user_id": f"ann-{u:02d}", "prompt": "Review:", "chosen": " a warm story",
+                                          "rejected": " a cold story"}) for u in range(30) for _ in range(6)) + "\n")
+    assert main(["reward", "--dataset_name", str(data), "--output_dir", str(tmp_path / "rm"), "--max_steps", "2",
+                 "--per_device_train_batch_size", "8"]) == 0
+    warnings_logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warnings_logged, warnings_logged
+    assert not [str(w.message) for w in recwarn], [str(w.message) for w in recwarn]
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" not in err and "[transformers]" not in err
+    notes = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]  # the defaults changed, as notes
+    assert any("max_grad_norm=1.0" in n and "per_user_max_grad_norm" in n for n in notes)

@@ -44,11 +44,19 @@ def test_padding_free_and_batch_coupled_dpo_losses_are_refused(tmp_path):
                        loss_weights=[1.0] * len(loss))
 
 
-def test_unsafe_defaults_are_overridden_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING):
+def test_unsafe_defaults_are_overridden_with_a_note_and_unsafe_choices_with_a_warning(caplog):
+    """TRL's defaults (max_grad_norm=1.0, gradient checkpointing on) are overridden with an INFO note: the user did not
+    set them (issue 44, item 6); a value the user chose is overridden with a warning."""
+    with caplog.at_level(logging.INFO, logger="trl_userdp"):
         cfg = _cfg(UserDPRewardConfig, max_grad_norm=1.0, gradient_checkpointing=True)
     assert cfg.max_grad_norm == 0.0 and cfg.gradient_checkpointing is False
     assert "max_grad_norm" in caplog.text and "gradient_checkpointing" in caplog.text
+    assert {r.levelno for r in caplog.records if "max_grad_norm" in r.getMessage()} == {logging.INFO}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trl_userdp"):
+        chosen = _cfg(UserDPRewardConfig, max_grad_norm=0.5)
+    assert chosen.max_grad_norm == 0.0
+    assert [r.levelno for r in caplog.records if "max_grad_norm=0.5" in r.getMessage()] == [logging.WARNING]
     kept = _cfg(UserDPRewardConfig, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
     assert kept.gradient_checkpointing  # reentrant checkpointing keeps per-sample gradients
     plain = _cfg(UserDPRewardConfig, privacy_mechanism="none", max_grad_norm=1.0)

@@ -17,6 +17,7 @@ AUP-RLHF Alg. 4's ``g_u``) in place before clipping.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -27,6 +28,9 @@ from torch import nn
 from . import layer_norm  # noqa: F401  (registers the LayerNorm sampler that allows bias=False)
 from .embedding import SCALED_EMBEDDINGS, is_scaled_embedding, record_lookups, register_scaled_embedding
 from .user_check import UserCheck, check_user_gradient
+
+#: torch's warning for a module's full backward hook that fires with no input needing a gradient
+BACKWARD_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
 
 
 #: blocks (by class name) that run their feed-forward layers on the batch's tokens flattened row by row,
@@ -58,6 +62,10 @@ class UserGradSampleHooks(GradSampleHooks):
         #: embeddings that compute the ids they look up (OPT's positions), made to keep them; undone on removal
         self._recorded_lookups = record_lookups(m)
         super().__init__(m, batch_first=batch_first, loss_reduction="mean", strict=strict, force_functorch=force_functorch)
+        # torch warns, at every backward pass, that a full backward hook fired while no input of its module needed a
+        # gradient (token ids; a frozen model's hidden states under LoRA): the per-sample hooks read the output's
+        # gradient alone, which they get, so the warning says nothing wrong
+        warnings.filterwarnings("ignore", message=BACKWARD_HOOK_WARNING, category=UserWarning)
         self._clone_hooked_outputs(m)
         #: hooked layers inside blocks that flatten the batch's tokens into one dimension (:data:`FLATTENING_BLOCKS`)
         hooked = set(self.iterate_submodules(m))

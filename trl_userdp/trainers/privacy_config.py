@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import warnings
 from typing import Optional
 
+import torch
 from transformers.utils import is_torch_bf16_gpu_available
 
 from ..accountants.accountant import ACCOUNTANTS_BY_NAME, accountant_class
@@ -17,6 +19,12 @@ from ..setup_options import GRAD_SAMPLE_MODES
 from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_noise_multiplier, check_positive
 
 logger = logging.getLogger(__name__)
+
+
+def _default(config, name: str):
+    """The default of a config's field (TRL's or transformers'), to tell a value the user set from one they did not."""
+    field = type(config).__dataclass_fields__.get(name)
+    return None if field is None or field.default is dataclasses.MISSING else field.default
 #: whether the given-privacy_seed warning was shown in this process (once is enough)
 _SEED_WARNED: list = []
 
@@ -106,7 +114,13 @@ class UserDPArguments:
             # on an accelerator that has it (on a CPU, bf16 autocast only when asked for), so a config written as
             # TRL's docs write it runs on a CPU-only machine too
             self.bf16 = not getattr(self, "use_cpu", False) and is_torch_bf16_gpu_available()
-        super().__post_init__()
+        if getattr(self, "dataloader_pin_memory", False) and not torch.accelerator.is_available():
+            self.dataloader_pin_memory = False  # pinning needs an accelerator: without one torch only warns
+        with warnings.catch_warnings():
+            # TRL's configs default `gradient_checkpointing=True`, a field transformers 5 deprecates: its FutureWarning
+            # is about nothing the user wrote (and checkpointing is turned off under DP below unless reentrant)
+            warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+            super().__post_init__()
         self._validate_privacy_fields()
 
     def _check_privacy_seed(self) -> None:
@@ -197,14 +211,18 @@ class UserDPArguments:
         if getattr(self, "padding_free", False):
             raise ValueError("padding_free=True packs several users' rows into one: set padding_free=False under DP.")
         if self.max_grad_norm and self.max_grad_norm > 0:
-            logger.warning("max_grad_norm=%s would clip the raw gradient; set to 0 (DP clips per user).", self.max_grad_norm)
+            # the Trainer's default is the user's only if they changed it: then a warning, else a note
+            log = logger.info if self.max_grad_norm == _default(self, "max_grad_norm") else logger.warning
+            log("transformers' max_grad_norm=%s (clipping the whole batch's gradient) set to 0: DP clips each user's "
+                "gradient to per_user_max_grad_norm instead.", self.max_grad_norm)
             self.max_grad_norm = 0.0
         # transformers 5 names it activation_checkpointing; gradient_checkpointing mirrors it
         name = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
         if getattr(self, name):
             kwargs = getattr(self, f"{name}_kwargs") or {}
             if kwargs.get("use_reentrant") is not True:
-                logger.warning(
+                log = logger.info if _default(self, "gradient_checkpointing") is True else logger.warning
+                log(
                     "gradient_checkpointing=True (TRL's default) in non-reentrant mode loses per-sample gradients; "
                     "turned off. Use gradient_checkpointing_kwargs={'use_reentrant': True} to keep it."
                 )

@@ -39,6 +39,9 @@ class UserDPRewardTrainer(UserDPTrainerMixin, RewardTrainer):
                 raise ValueError("The tokenizer has no EOS token, which TRL's reward preprocessing appends to each "
                                  "text, and no separator to use instead: set `tokenizer.eos_token` first.")
             tokenizer.eos_token = tokenizer.sep_token
+            config = getattr(kwargs.get("model", args[0] if args else None), "config", None)
+            if config is not None:  # the model's too, as the Trainer would align it (with a notice the user did not cause)
+                config.get_text_config().eos_token_id = tokenizer.eos_token_id
         super().__init__(*args, **kwargs)
 
     def use_label_privacy(self, args, rr) -> None:
