@@ -250,29 +250,30 @@ def test_after_the_self_check_autograd_computes_no_weight_gradient_for_ghost_lay
 class _TiedLM(torch.nn.Module):
     """Embedding → tanh → LM head, the head's weight the embedding's (a tied LM head on its own)."""
 
-    def __init__(self, vocab=40, width=8):
+    def __init__(self, vocab=40, width=8, bias=False):
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(vocab, width)
-        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head = torch.nn.Linear(width, vocab, bias=bias)
         self.head.weight = self.embed.weight
 
     def forward(self, ids):
         return self.head(torch.tanh(self.embed(ids)))
 
 
-def _tied_released(ids, users, weights, route, clip):
+def _tied_released(ids, users, weights, route, clip, bias=False, mode="ghost"):
     """The released clipped sum of one step (σ = 0, every user drawn), and how many mixed-route cross terms it took."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    model = _TiedLM()
+    model = _TiedLM(bias=bias)
     engine = trl_userdp.PrivacyEngine()
     model, optimizer, loader = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         data_loader=DataLoader(TensorDataset(ids, weights)), user_ids=users, max_samples_per_user=3,
         users_per_batch=float(len(set(users))), steps=1, sampling_seed=0, noise_multiplier=0.0, max_grad_norm=clip,
-        grad_sample_mode="ghost")
-    engine.hooks.norm_route = route
+        grad_sample_mode=mode)
+    if mode == "ghost":
+        engine.hooks.norm_route = route
     calls = []
     real = ghost_module.tied_cross_direct
     ghost_module.tied_cross_direct = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
@@ -288,8 +289,9 @@ def _tied_released(ids, users, weights, route, clip):
     return released, len(calls)
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("route", ["gram", "direct", "auto"])
-def test_a_tied_lm_head_on_either_route_keeps_each_user_within_the_clip(route):
+def test_a_tied_lm_head_on_either_route_keeps_each_user_within_the_clip(route, bias):
     """A weight tied between an embedding and an LM head: on the Gram route both layers' Gram matrices give the cross
     term; on the direct route (the head's unit gradient, cheaper once a user's positions outnumber the head's
     ``D·V/(D+V)``: "auto" here) the head's unit gradient does. An adversarial user (loss ×10⁴, its rows repeating
@@ -302,8 +304,11 @@ def test_a_tied_lm_head_on_either_route_keeps_each_user_within_the_clip(route):
     weights[:3] = 1e4
     keep = [i for i, u in enumerate(users) if u != 0]
     for clip, within in ((0.5, True), (1e9, False)):
-        with_user, calls = _tied_released(ids, users, weights, route, clip)
-        without, _ = _tied_released(ids[keep], [users[i] for i in keep], weights[keep], route, clip)
+        with_user, calls = _tied_released(ids, users, weights, route, clip, bias)
+        without, _ = _tied_released(ids[keep], [users[i] for i in keep], weights[keep], route, clip, bias)
         influence = float(torch.linalg.vector_norm(with_user - without))
         assert calls == (0 if route == "gram" else 1)  # 12+ positions per user > 8·40/48: "auto" takes the head direct
         assert (influence <= clip * (1 + 1e-4)) if within else influence > 100, (route, clip, influence)
+        # every parameter's sum, the head's bias included, as the materialised path releases it
+        reference, _ = _tied_released(ids, users, weights, route, clip, bias, mode="hooks")
+        assert rel_err(with_user, reference) < 1e-5

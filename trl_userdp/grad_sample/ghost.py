@@ -674,12 +674,14 @@ class UserGhostHooks(UserGradSampleHooks):
         for (first, one), (second, other) in pairs:  # a shared weight: the cross term of its two layers
             params = tuple(dict.fromkeys(one.params + other.params))
             if other.unit_grads is not None:  # an embedding (Gram route) and a linear layer on the direct route
-                (weight, unit_grads), = other.unit_grads.items()
+                weight = one.params[0]  # the embedding's one parameter, the shared weight
+                unit_grads = other.unit_grads[weight]
                 cross, rounding = tied_cross_direct(first, one.passes, unit_grads, self._packing_index(row_slots))
                 cross = 2 * cross.cpu()
                 rounding2 += 2 * max(rounding, one.rounding) * one.bound.cpu() * direct_norm2[weight].sqrt()
-                components[(first, second)] = (params, components.pop((first,))[1] + direct_norm2[weight] + cross)
-                checked_per_param = [(p, g) for p, g in checked_per_param if g is not unit_grads]
+                head_norm2 = sum(direct_norm2[p] for p in other.unit_grads)  # the weight's, and a bias's
+                components[(first, second)] = (params, components.pop((first,))[1] + head_norm2 + cross)
+                checked_per_param = [(p, g) for p, g in checked_per_param if p not in other.unit_grads]
             else:
                 cross, rounding = tied_cross_terms((first, *one.passes[0][:2]), (second, *other.passes[0][:2]),
                                                    self._packing_index(row_slots))
@@ -741,9 +743,10 @@ class UserGhostHooks(UserGradSampleHooks):
         for p, sums in materialised + direct:
             groups[p] = functools.partial(weighted, p, sums)
         for layers in pairs:  # one group for both layers of a shared weight, so that each sum is added once
-            group = functools.partial(together, *(
-                functools.partial(book_kept, module, record) if record.unit_grads is None else
-                functools.partial(weighted, *next(iter(record.unit_grads.items()))) for module, record in layers))
+            parts = [part for module, record in layers for part in (
+                [functools.partial(book_kept, module, record)] if record.unit_grads is None else
+                [functools.partial(weighted, p, g) for p, g in record.unit_grads.items()])]  # the weight, and a bias
+            group = functools.partial(together, *parts)
             groups.update({p: group for _, record in layers for p in record.params})
         self._emit(groups)
         self.units_seen.update(self.unit_ids)
