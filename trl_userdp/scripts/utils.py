@@ -313,8 +313,8 @@ def check_model_kind(path: str, revision: Optional[str], kind: str, option: str)
     saved = list(config.architectures or [])
     causal = [a for a in saved if a in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())]
     classifier = [a for a in saved if a in set(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())]
-    if kind == "causal-lm":
-        wrong = (saved and not causal) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if kind == "causal-lm":  # by the saved architecture, else by whether transformers has a causal LM of the type
+        wrong = not causal if saved else config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     else:
         wrong = bool(causal) and not classifier
     if wrong:

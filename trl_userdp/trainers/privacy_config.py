@@ -25,6 +25,8 @@ def _default(config, name: str):
     """The default of a config's field (TRL's or transformers'), to tell a value the user set from one they did not."""
     field = type(config).__dataclass_fields__.get(name)
     return None if field is None or field.default is dataclasses.MISSING else field.default
+
+
 #: whether the given-privacy_seed warning was shown in this process (once is enough)
 _SEED_WARNED: list = []
 
