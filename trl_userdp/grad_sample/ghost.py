@@ -765,10 +765,8 @@ class UserGhostHooks(UserGradSampleHooks):
                 continue
             if one.unit_grads is not None:
                 (first, one), (second, other) = (second, other), (first, one)
-            if other.unit_grads is not None:  # the direct route is only ever the linear layer's beside an embedding
-                pairs.append(((first, one), (second, other)))
-                continue
-            if len(one.passes) == 1 and len(other.passes) == 1:
+            # the direct route is only ever the linear layer's beside an embedding, whose cross term takes any passes
+            if other.unit_grads is not None or (len(one.passes) == 1 and len(other.passes) == 1):
                 pairs.append(((first, one), (second, other)))
                 continue
             for module, record in ((first, one), (second, other)):
