@@ -256,7 +256,7 @@ def run_cell(cell: Cell) -> Dict[str, Any]:
     return {**dataclasses.asdict(cell), "series": cell.series, "accuracy": _accuracy(model.head, s["eval_pairs"]),
             "epsilon_spent": None if math.isinf(report.epsilon) else report.epsilon,
             "steps_taken": report.steps_taken, "halted": extra.get("halted"), "report": dataclasses.asdict(report),
-            "final_clip": report.max_grad_norm if cell.mechanism == "user_dpsgd_adaptive" else None,
+            "final_clip": report.per_user_max_grad_norm if cell.mechanism == "user_dpsgd_adaptive" else None,
             "head": {k: v.tolist() for k, v in model.head.state_dict().items()}, "seconds": time.time() - start}
 
 

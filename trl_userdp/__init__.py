@@ -20,6 +20,7 @@ _EXPORTS = {
     "UserDataLoader": ".data",
     "UserGradSampleHooks": ".grad_sample",
     "bound_contributions": ".data",
+    "load_reward_model": ".models",
     "propose_concentration_radius": ".adaptive_engine",
     "propose_concentration_radius_private": ".adaptive_engine",
     # the trainers pull in transformers' Trainer and TRL

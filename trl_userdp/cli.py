@@ -12,12 +12,12 @@ import sys
 from types import ModuleType
 from typing import Dict, Optional, Sequence
 
-from .scripts import account, audit, dpo, pipeline, reward, rl
+from .scripts import account, audit, dpo, grpo, pipeline, reward, rl
 from .scripts.utils import run_script
 
 #: command -> its module in :mod:`trl_userdp.scripts` (``make_parser``, ``main`` and ``HELP``), in ``--help`` order
-COMMANDS: Dict[str, ModuleType] = {"account": account, "reward": reward, "dpo": dpo, "rl": rl, "pipeline": pipeline,
-                                   "audit": audit}
+COMMANDS: Dict[str, ModuleType] = {"account": account, "reward": reward, "dpo": dpo, "rl": rl, "grpo": grpo,
+                                   "pipeline": pipeline, "audit": audit}
 
 
 def _help() -> str:

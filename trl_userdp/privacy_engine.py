@@ -608,7 +608,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             delta=delta,
             neighboring_relation=self.accountant.relation,
             privacy_unit="user",
-            max_grad_norm=opt.max_grad_norm,
+            per_user_max_grad_norm=opt.max_grad_norm,
             extra={"expected_units_per_step": getattr(opt, "global_expected_batch_size", opt.expected_batch_size),
                    "clipping_unit": self.mechanism.clipping_unit,
                    "world_size": distributed.world_size()},

@@ -162,7 +162,8 @@ def test_a_calibration_is_computed_once_per_process_and_is_the_same_sigma():
     assert event.calibrate(4.0, DELTA, sample_rate=0.1, steps=40, accountant="rdp") > first
 
 
-@pytest.mark.parametrize("start", [0.3, 1.0, 60.0])
+@pytest.mark.parametrize("start", [pytest.param(0.3, marks=pytest.mark.slow), pytest.param(1.0, marks=pytest.mark.slow),
+                                   60.0])  # from below the answer: 15-30 s of mixtures
 def test_the_calibrated_sigma_does_not_depend_on_where_the_search_starts(start):
     """ELS starts its search at the group-privacy σ (issue 44, item 5: `account` spent most of its time on ELS at
     small σ); any start gives the same σ within the tolerance, and the group-privacy σ is above ELS's."""
@@ -176,3 +177,36 @@ def test_the_calibrated_sigma_does_not_depend_on_where_the_search_starts(start):
     default = event.calibrate(3.0, 1e-5, sample_rate=0.5, steps=4, tol=1e-3)
     assert abs(sigma - default) < 3e-3
     assert event.search_start(3.0, 1e-5, 0.5, 4, "add_or_remove") >= default
+
+
+@pytest.mark.parametrize("event", [PoissonGaussian(), GroupPrivacyGaussian(10)], ids=["user-wise", "group"])
+def test_a_pld_calibration_starts_at_the_rdp_sigma_and_brackets_in_few_evaluations(event, monkeypatch):
+    """`trl-userdp account` for n = 30 spent most of its time in PLD evaluations far from the answer (22 for the group
+    column from σ = 1, issue 44 item 5). From the RDP σ (an upper bound computed in milliseconds) it takes at most 9,
+    and gives the σ of a search from σ = 1 within the tolerance."""
+    from trl_userdp.accountants.analysis import calibrate_noise_multiplier
+
+    evaluations = []
+    get_epsilon = pld.PLDAccountant.get_epsilon
+    monkeypatch.setattr(pld.PLDAccountant, "get_epsilon",
+                        lambda self, delta: evaluations.append(delta) or get_epsilon(self, delta))
+    plan = dict(sample_rate=8 / 30, steps=20, relation="add_or_remove")
+    start = event.search_start(3.0, DELTA, **plan)
+    assert evaluations == []  # the start is RDP's
+    rdp = event.calibrate(3.0, DELTA, accountant="rdp", tol=1e-3, **{k: v for k, v in plan.items() if k != "relation"})
+    assert start == pytest.approx(rdp, abs=2e-2)
+    sigma = calibrate_noise_multiplier(lambda s: event(s, plan["sample_rate"], plan["steps"]), target_epsilon=3.0,
+                                       target_delta=DELTA, accountant="pld", group_size=event.group_size, tol=1e-3,
+                                       start=start, factor=event.search_factor)
+    near = len(evaluations)
+    assert 0 < near <= 9
+    from_one = calibrate_noise_multiplier(lambda s: event(s, plan["sample_rate"], plan["steps"]), target_epsilon=3.0,
+                                          target_delta=DELTA, accountant="pld", group_size=event.group_size, tol=1e-3)
+    assert len(evaluations) - near > near  # the search from σ = 1 took more
+    assert sigma == pytest.approx(from_one, abs=2e-3) and sigma <= start * 1.01
+
+
+def test_the_search_starts_at_one_where_rdp_gives_no_sigma():
+    """A target RDP cannot calibrate in range (met at its smallest σ) leaves the start at σ = 1 for PLD's own search,
+    which decides: the start never decides a calibration's outcome."""
+    assert PoissonGaussian().search_start(1e4, DELTA, 0.01, 1, "add_or_remove") == 1.0

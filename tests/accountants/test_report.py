@@ -8,7 +8,7 @@ from trl_userdp.accountants import PrivacyReport
 def _report(**kw):
     base = dict(
         mechanism="user_dpsgd", n_users=2500, max_samples_per_user=10, sample_rate=0.02, noise_multiplier=0.85,
-        steps=250, steps_taken=250, accountant="dp_pld", epsilon=2.99, delta=1e-5, max_grad_norm=1.0,
+        steps=250, steps_taken=250, accountant="dp_pld", epsilon=2.99, delta=1e-5, per_user_max_grad_norm=1.0,
     )
     base.update(kw)
     return PrivacyReport(**base)
@@ -42,3 +42,14 @@ def test_the_published_report_has_no_row_count_from_contribution_bounding():
     d["rows_dropped"] = 3
     with pytest.raises(ValueError, match="Unknown"):
         PrivacyReport.from_dict(d)
+
+
+def test_the_clip_norm_is_named_as_the_trainers_name_it_and_old_reports_still_load():
+    """The report said `max_grad_norm: 1.0` beside a log line saying the Trainer's max_grad_norm=1.0 "would clip the
+    raw gradient; set to 0" (issue 44, item 6): the per-user clip C is `per_user_max_grad_norm`, as in the trainers'
+    configs. A report saved under the old name (a reward model `rl` reads, a checkpoint) loads into the new one."""
+    report = _report()
+    saved = report.to_dict()
+    assert saved["per_user_max_grad_norm"] == 1.0 and "max_grad_norm" not in saved
+    saved["max_grad_norm"] = saved.pop("per_user_max_grad_norm")
+    assert PrivacyReport.from_dict(saved) == report

@@ -187,7 +187,7 @@ def test_the_report_states_the_clip_and_the_accounting_is_user_wise_dp_sgds():
     independent = rdp.RdpAccountant(orders=RDP_ORDERS).compose(
         dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(1.0, dpa.GaussianDpEvent(2.0)), 4)).get_epsilon(1e-5)
     assert report.mechanism == "user_dpsgd_adaptive" and report.epsilon == pytest.approx(independent, rel=1e-9)
-    assert report.max_grad_norm == optimizer.max_grad_norm and report.extra["initial_max_grad_norm"] == 1.0
+    assert report.per_user_max_grad_norm == optimizer.max_grad_norm and report.extra["initial_per_user_max_grad_norm"] == 1.0
     assert report.extra["gradient_noise_multiplier"] == pytest.approx(gradient_noise_multiplier(2.0, 3.0))
 
 

@@ -17,7 +17,7 @@ from .helpers import run_cli
 def test_the_top_level_help_lists_each_command_with_its_line(capsys):
     assert main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
-    assert list(COMMANDS) == ["account", "reward", "dpo", "rl", "pipeline", "audit"]
+    assert list(COMMANDS) == ["account", "reward", "dpo", "rl", "grpo", "pipeline", "audit"]
     for name, script in COMMANDS.items():
         assert f"{name} {script.HELP}" in text
 
@@ -76,13 +76,17 @@ def test_help_lists_config_and_then_the_privacy_options_in_their_own_group(capsy
     assert text.index("--target_epsilon") < text.index("--learning_rate")
 
 
-def test_rl_help_lists_the_reward_model_with_the_privacy_options(capsys):
-    """Issue 44, item 3: `rl --help` had `--reward_model` (whose ε the policy carries) at line ~1,162 of 1,170."""
+@pytest.mark.parametrize("command", ["rl", "grpo"])
+def test_rl_help_lists_the_reward_model_with_the_privacy_options(command, capsys):
+    """Issue 44, item 3: `rl --help` had `--reward_model` (whose ε the policy carries) at line ~1,162 of 1,170; `grpo`
+    lists it with its own privacy options (the ε it spends on the users' prompts)."""
     with pytest.raises(SystemExit):
-        main(["rl", "--help"])
-    lines = capsys.readouterr().out.splitlines()
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    lines = text.splitlines()
     group = next(i for i, line in enumerate(lines) if line.startswith("user-level privacy (trl_userdp"))
-    assert group < 10 and lines[group + 1].strip().startswith("--reward_model")
+    assert group < 10 and "--reward_model" in text[text.index(lines[group]):text.index("--learning_rate")]
+    assert ("--target_epsilon" in text[:text.index("--learning_rate")]) == (command == "grpo")
 
 
 def test_a_command_runs_as_a_module_of_its_own_with_the_same_one_line_errors():
@@ -115,7 +119,9 @@ def test_audit_writes_its_report_draw_and_plot_and_says_so_in_one_line(tmp_path,
     assert main(["audit", "--privacy_mechanism", "none", "--n_users", "20", "--canaries", "60", "--max_steps", "60",
                  "--audit_seed", "0", "--output_dir", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-2].startswith("ε claimed ∞, audited lower bound") and str(out) in lines[-1]
+    assert lines[-3].startswith("ε claimed ∞, audited lower bound") and str(out) in lines[-1]
+    # the secret draw is named, with what it is (issue 44, item 4: it was written beside the report unannounced)
+    assert str(out / "canary_draw.json") in lines[-2] and "keep it secret from whoever holds the model" in lines[-2]
     report = AuditReport.load(str(out))
     assert report.epsilon_lower > 0 and report.canaries == 60 and (out / "scores.png").exists()
     assert CanaryDraw.load(str(out)).m == 60 and json.loads((out / "canary_draw.json").read_text())["seed"] == 0
@@ -198,7 +204,11 @@ def test_a_reward_run_on_thirty_users_says_nothing_the_user_did_not_cause(tmp_pa
     warnings_logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not warnings_logged, warnings_logged
     assert not [str(w.message) for w in recwarn], [str(w.message) for w in recwarn]
-    err = capfd.readouterr().err
-    assert "LOAD REPORT" not in err and "[transformers]" not in err
+    captured = capfd.readouterr()
+    assert "LOAD REPORT" not in captured.err and "[transformers]" not in captured.err
+    # the report in one line, not a JSON dump of every field (the file holds those)
+    summary, written = captured.out.strip().splitlines()[-2:]
+    assert summary.startswith("trl-userdp: ε = ") and "user_dpsgd, σ = " in summary and "30 users" in summary
+    assert "\"mechanism\"" not in captured.out and written.startswith("trl-userdp: model, privacy_report.json")
     notes = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]  # the defaults changed, as notes
     assert any("max_grad_norm=1.0" in n and "per_user_max_grad_norm" in n for n in notes)

@@ -1,5 +1,5 @@
-"""``trl-userdp rl``: the users' own prompts and any policy path, and reward inputs within the reward model's
-positions."""
+"""``trl-userdp rl`` (public prompts) and ``grpo`` (the users' own prompts): any prompts file and policy path, and
+reward inputs within the reward model's positions."""
 
 import json
 
@@ -13,7 +13,7 @@ from trl_userdp.scripts.rl import _positions, _truncate_reward_inputs
 from ..tiny_models import tiny_gpt2_rm, tiny_llama_lm, tiny_llama_rm, tiny_tokenizer
 
 
-def test_rl_runs_on_the_users_own_prompts_with_a_policy_by_path(tmp_path, capsys):
+def test_rl_runs_on_the_users_own_prompts_with_a_policy_by_path(tmp_path, capsys, recwarn):
     """`rl` used to work only after the pipeline ran in the same folder, on IMDb prompts: now any dataset with a
     `prompt` column and any policy path; the policy carries the reward model's ε (post-processing)."""
     tokenizer = tiny_tokenizer()
@@ -50,7 +50,24 @@ def test_rl_runs_on_the_users_own_prompts_with_a_policy_by_path(tmp_path, capsys
                  str(tmp_path / "reward"), "--output_dir", str(tmp_path / "own")]) == 2
     (err,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # datasets' bar aside
     assert err.startswith("trl-userdp: error: ") and "columns ['user_id'] besides 'prompt'" in err
-    assert "UserDPGRPOTrainer" in err
+    assert "use `trl-userdp grpo`" in err
+    # ... which trains the policy on them with user-level DP: the prompts' ε composed with the reward model's
+    assert main(["grpo", "--dataset_name", str(own), "--model_name_or_path", str(policy), "--reward_model",
+                 str(tmp_path / "reward"), "--output_dir", str(tmp_path / "own"), "--max_steps", "2",
+                 "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "4",
+                 "--max_samples_per_user", "1", "--users_per_batch", "2", "--target_epsilon", "3"]) == 0
+    composed = PrivacyReport.load(str(tmp_path / "own"))
+    prompts_report = PrivacyReport.from_dict(composed.extra["prompts_report"])
+    assert prompts_report.n_users == 4 and prompts_report.steps_taken == 2 and prompts_report.epsilon <= 3.0
+    assert composed.epsilon == pytest.approx(prompts_report.epsilon + original.epsilon, rel=1e-9)
+    assert composed.noise_multiplier > 0
+    assert main(["grpo", "--dataset_name", str(prompts), "--model_name_or_path", str(policy), "--reward_model",
+                 str(tmp_path / "reward"), "--output_dir", str(tmp_path / "none")]) == 2  # no user column: one line
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "has no 'user_id' column" in err
+    # issue 44, item 6: rl printed pin_memory's warning on a CPU and eight FutureWarnings of TRL's calls to
+    # transformers' renamed gradient-checkpointing API (grpo two): nothing the user wrote
+    assert not [str(w.message) for w in recwarn], [str(w.message) for w in recwarn]
 
 
 def test_reward_inputs_beyond_the_reward_models_positions_are_truncated():

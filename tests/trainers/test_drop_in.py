@@ -76,7 +76,7 @@ def test_logs_and_saved_files_hold_no_raw_gradient_norm_or_private_metrics(tmp_p
         for name in files:
             if name.endswith(".json"):
                 collect(json.load(open(os.path.join(root, name))))
-    assert "max_grad_norm" in keys  # the clip norm C is public and reported
+    assert "per_user_max_grad_norm" in keys  # the clip norm C is public and reported
     assert "grad_norm" not in keys
     assert os.path.isfile(tmp_path / "checkpoint-2" / "privacy_report.json")
     # the opt-in shows private metrics (so this test can fail): they are computed on private batches

@@ -54,7 +54,7 @@ def test_mechanism_trains_three_steps(tmp_path, mechanism, script, trainer_cls, 
         assert 0 < report.epsilon <= 8.0 and report.steps_taken >= 1
         assert trainer.privacy_engine.accountant.steps_taken == report.steps_taken
         if mechanism == "user_dpsgd_adaptive":  # the clip moved from its start, and the report says where it is
-            assert report.extra["initial_max_grad_norm"] == 5.0 and report.max_grad_norm != 5.0
+            assert report.extra["initial_per_user_max_grad_norm"] == 5.0 and report.per_user_max_grad_norm != 5.0
         if mechanism == "aup":
             assert report.concentration_radius == 5.0 and report.extra["svt_queries"] == 3
             assert not report.extra["halted"] and report.steps_taken == 3

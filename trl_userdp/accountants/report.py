@@ -33,7 +33,9 @@ class PrivacyReport:
         neighboring_relation: The unit change the guarantee is about, ``"add_or_remove"`` or ``"replace"``
             one user.
         privacy_unit: What is protected (``"user"``).
-        max_grad_norm: The clipping norm C of clipping mechanisms.
+        per_user_max_grad_norm: The norm C each user's averaged gradient is clipped to, by clipping mechanisms (the
+            trainers' ``per_user_max_grad_norm``; the Trainer's ``max_grad_norm``, which would clip the whole noisy
+            step, is off under DP). Reports saved as ``max_grad_norm`` before 0.1.0 load into it.
         concentration_radius: The concentration radius τ of AUP-RLHF.
         extra: Mechanism-specific entries.
     """
@@ -50,7 +52,7 @@ class PrivacyReport:
     delta: float
     neighboring_relation: str = "add_or_remove"
     privacy_unit: str = "user"
-    max_grad_norm: Optional[float] = None
+    per_user_max_grad_norm: Optional[float] = None
     concentration_radius: Optional[float] = None
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -79,6 +81,8 @@ class PrivacyReport:
             ValueError: If ``d`` has fields the report does not know.
         """
         d = dict(d)
+        if "max_grad_norm" in d and "per_user_max_grad_norm" not in d:  # the field's name before 0.1.0
+            d["per_user_max_grad_norm"] = d.pop("max_grad_norm")
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"Unknown privacy report fields: {sorted(unknown)}")
@@ -122,6 +126,24 @@ class PrivacyReport:
                          "model, if any): post-processing of their guarantees, composed; each is listed in the report")
         lines += ["", f"The full statement is `{REPORT_FILENAME}` beside the model.", ""]
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line for a command's output: the guarantee and what spent it (the full statement is the JSON file).
+
+        Returns:
+            e.g. ``ε = 3, δ = 0.0001 per user (add-or-remove-one); user_dpsgd, σ = 1.357, 4 steps; 20 users, at
+            most 10 rows each``.
+        """
+        if math.isinf(self.epsilon):
+            return f"ε = ∞ (no differential privacy); {self.mechanism}"
+        relation = {"add_or_remove": "add-or-remove-one", "replace": "replace-one"}.get(
+            self.neighboring_relation, self.neighboring_relation)
+        line = f"ε = {self.epsilon:.4g}, δ = {self.delta:g} per {self.privacy_unit} ({relation}); {self.mechanism}"
+        if self.noise_multiplier is not None:
+            line += f", σ = {self.noise_multiplier:.4g}, {self.steps_taken} steps"
+        if self.n_users:
+            line += f"; {self.n_users} users, at most {self.max_samples_per_user} rows each"
+        return line
 
     def to_json(self) -> str:
         """The report as indented JSON with sorted keys.

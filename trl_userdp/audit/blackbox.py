@@ -10,6 +10,8 @@ initialisation's margin.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -18,9 +20,12 @@ import torch
 from ..accountants.accountant import DPAccountingAccountant
 from ..validators import check_confidence
 from .bounds import audit_scores, each_test_confidence
-from .canaries import CanaryDraw
+from .canaries import DRAW_FILENAME, CanaryDraw
 from .fdp import audit_curve, run_curves
 from .report import AuditReport
+
+#: the canary users' pairs, beside their draw (:data:`~trl_userdp.audit.canaries.DRAW_FILENAME`)
+CANARIES_FILENAME = "canaries.json"
 
 
 def _whole_tokens(tokenizer: Any, needed: int, rng: np.random.Generator) -> np.ndarray:
@@ -94,6 +99,49 @@ class PreferenceCanaries:
         ids = _whole_tokens(tokenizer, 2 * m * tokens, np.random.default_rng([draw.seed, 1]))
         texts = [tokenizer.decode(row.tolist()) for row in ids.reshape(2 * m, tokens)]
         return cls(draw, prompt, texts[:m], texts[m:], pairs_per_user, user_prefix)
+
+    def save(self, directory: str) -> str:
+        """Write the canaries to ``directory``: their secret draw (``canary_draw.json``) and their pairs
+        (``canaries.json``), for an audit of a model trained elsewhere on :meth:`add_to`'s data (keep the folder from
+        whoever holds the model).
+
+        Args:
+            directory: the auditor's folder.
+
+        Returns:
+            The path of ``canaries.json``.
+        """
+        self.draw.save(directory)
+        path = os.path.join(directory, CANARIES_FILENAME)
+        with open(path, "w") as f:
+            json.dump({"prompt": self.prompt, "chosen": self.chosen, "rejected": self.rejected,
+                       "pairs_per_user": self.pairs_per_user, "user_prefix": self.user_prefix}, f)
+        return path
+
+    @classmethod
+    def load(cls, directory: str) -> "PreferenceCanaries":
+        """Read canaries written by :meth:`save`.
+
+        Args:
+            directory: the auditor's folder.
+
+        Returns:
+            The canaries.
+
+        Raises:
+            ValueError: the folder holds no canaries, or pairs that do not match their draw.
+        """
+        if not os.path.isfile(os.path.join(directory, CANARIES_FILENAME)) or \
+                not os.path.isfile(os.path.join(directory, DRAW_FILENAME)):
+            raise ValueError(f"{directory!r} holds no canaries ({CANARIES_FILENAME} and {DRAW_FILENAME}): plant them "
+                             "first (trl-userdp audit --plant_into, docs/audit.md).")
+        draw = CanaryDraw.load(directory)
+        with open(os.path.join(directory, CANARIES_FILENAME)) as f:
+            state = json.load(f)
+        if not (len(state["chosen"]) == len(state["rejected"]) == draw.m):
+            raise ValueError(f"{directory}: {CANARIES_FILENAME} does not hold one pair per canary of the draw.")
+        return cls(draw, state["prompt"], list(state["chosen"]), list(state["rejected"]), int(state["pairs_per_user"]),
+                   state["user_prefix"])
 
     def rows(self, user_column: str = "user_id", first_id: Optional[int] = None) -> Dict[str, list]:
         """The included canary users' records, as columns of a preference dataset.

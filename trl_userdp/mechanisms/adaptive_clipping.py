@@ -117,7 +117,7 @@ class AdaptiveClipUserDPSGD(UserDPSGD):
         """Adds the initial clip, γ, η, σ_b and σ_Δ to ``extra``; ``max_grad_norm`` is the current clip."""
         fields["extra"].update({
             "clipping": "adaptive (private quantile, Andrew et al. 2021); max_grad_norm is the current clip",
-            "initial_max_grad_norm": optimizer.initial_max_grad_norm, "target_quantile": self.target_quantile,
+            "initial_per_user_max_grad_norm": optimizer.initial_max_grad_norm, "target_quantile": self.target_quantile,
             "clip_learning_rate": self.clip_learning_rate, "count_noise_multiplier": optimizer.count_noise_multiplier,
             "gradient_noise_multiplier": optimizer.gradient_noise_multiplier})
         return fields

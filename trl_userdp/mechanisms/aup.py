@@ -355,7 +355,7 @@ class AUPRLHF(GradientMechanism):
 
     def report_fields(self, fields: Dict[str, Any], optimizer: Any, *, accounted_epsilon: float) -> Dict[str, Any]:
         """τ in place of C; the ε split (ε_svt, ε_radius, the Gaussian ε) and AboveThreshold's state in ``extra``."""
-        fields.update(max_grad_norm=None, concentration_radius=optimizer.concentration_radius)
+        fields.update(per_user_max_grad_norm=None, concentration_radius=optimizer.concentration_radius)
         fields["extra"].update({
             "svt_epsilon": optimizer.svt_epsilon if any(optimizer.svt_queries_by_phase) else 0.0,
             "radius_epsilon": self.radius_epsilon,

@@ -2,7 +2,9 @@
 reward model (:class:`~trl_userdp.trainers.UserDPRewardTrainer`, the reward command's privacy options) or, with
 ``--trainer dpo``, a DPO policy (:class:`~trl_userdp.trainers.UserDPDPOTrainer`) on the data plus canary users drawn
 in by a secret coin, and bounds ε from the model's margins on their pairs; ``--auditor whitebox`` trains gradient
-canary users through the engine with the same privacy options.
+canary users through the engine with the same privacy options. A reward model trained elsewhere is audited in two
+steps: ``--plant_into`` writes the data with the canary users drawn in (no training), ``--audited_model`` scores the
+model trained on it.
 
 ```bash
 python -m trl_userdp.scripts.audit --privacy_mechanism user_dpsgd --target_epsilon 8 --output_dir runs/audit
@@ -30,6 +32,9 @@ AUDITORS = ("blackbox", "whitebox")
 TRAINERS = ("reward", "dpo")
 #: the prompt of the DPO canary pairs (the embedded pairs' prompt)
 DPO_CANARY_PROMPT = "Review:"
+#: what the output says of the canary draw
+SECRET = ("keep it secret from whoever holds the model (who knows which canaries were trained on can fake or "
+          "void the audit)")
 
 
 @dataclasses.dataclass
@@ -50,10 +55,28 @@ class AuditArguments:
     whitebox_steps: int = dataclasses.field(default=10, metadata={"help": "whitebox: private steps."})
     audit_seed: Optional[int] = dataclasses.field(default=None, metadata={
         "help": "Seeds the canary draw (default: the OS; the draw is saved as canary_draw.json, a secret)."})
+    plant_into: Optional[str] = dataclasses.field(default=None, metadata={
+        "help": "Audit a reward model you train, step 1: write the data (--dataset_name) with the canary users drawn "
+                "in to this .jsonl file, to train on, and the canaries with their secret draw to --output_dir; no "
+                "training."})
+    canary_tokenizer: str = dataclasses.field(default="minilm", metadata={
+        "help": "--plant_into: the tokenizer of the model you will train (a folder or hub id; minilm: reward's "
+                "default); the canary strings are tokens of its vocabulary."})
+    audited_model: Optional[str] = dataclasses.field(default=None, metadata={
+        "help": "Step 2: the reward model trained on the --plant_into file (a folder with privacy_report.json): its "
+                "canaries (from --output_dir) are scored and its ε bounded; no training."})
     confidence: float = dataclasses.field(default=0.95, metadata={"help": "Confidence of the lower bound, in (0, 1)."})
 
     def __post_init__(self):
         check_confidence(self.confidence, "--confidence")  # before any training
+        if self.plant_into is not None and self.audited_model is not None:
+            raise ValueError("--plant_into writes the data to train on, --audited_model audits the trained model: one "
+                             "at a time.")
+        if (self.plant_into is not None or self.audited_model is not None) and (
+                self.auditor != "blackbox" or self.trainer != "reward"):
+            raise ValueError("--plant_into and --audited_model audit reward models by their margins (--auditor "
+                             "blackbox --trainer reward); a DPO policy's margins need its reference model: audit it "
+                             "with --trainer dpo, which trains one.")
 
 
 def _small_reward_model(seed: int):
@@ -128,8 +151,68 @@ def _blackbox(script_args: UserDataArguments, training_args, audit_args: AuditAr
     return report, canaries.draw
 
 
+def _plant(script_args: UserDataArguments, training_args, audit_args: AuditArguments) -> int:
+    """Step 1 of auditing a reward model trained elsewhere: write the data with the canary users drawn in, and the
+    canaries with their draw to the auditor's folder.
+
+    Returns:
+        0.
+    """
+    from transformers import AutoTokenizer  # lazy: transformers
+
+    from ..audit import PreferenceCanaries
+    from ..models import resolve_model_path
+
+    train, _ = _load_data(script_args, training_args)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(audit_args.canary_tokenizer))
+    canaries = PreferenceCanaries.make(tokenizer, audit_args.canaries, tokens=audit_args.canary_tokens,
+                                       pairs_per_user=audit_args.canary_pairs, seed=audit_args.audit_seed)
+    data = canaries.add_to(train, training_args.user_column)
+    os.makedirs(os.path.dirname(os.path.abspath(audit_args.plant_into)), exist_ok=True)
+    data.to_json(audit_args.plant_into)
+    canaries.save(training_args.output_dir)
+    print(f"trl-userdp: {audit_args.plant_into} holds the data and {int(canaries.draw.included.sum())} of "
+          f"{canaries.draw.m} canary users: train your reward model on it (any trainer of this package, or "
+          "`trl-userdp reward`), then run `trl-userdp audit --audited_model <its folder> --output_dir "
+          f"{training_args.output_dir}`")
+    print(f"trl-userdp: the canaries and their draw written to {training_args.output_dir}: {SECRET}")
+    return 0
+
+
+def _audit_saved(training_args, audit_args: AuditArguments):
+    """Step 2: score the planted canaries on the reward model saved in ``--audited_model`` and bound its ε.
+
+    Returns:
+        The :class:`~trl_userdp.audit.AuditReport`.
+
+    Raises:
+        ValueError: the folder is not a reward model with its privacy report, or the auditor's folder holds no
+            canaries.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer  # lazy: transformers
+
+    from ..accountants import REPORT_FILENAME, PrivacyReport
+    from ..audit import PreferenceCanaries
+    from .utils import check_model_kind
+
+    path = audit_args.audited_model
+    if not os.path.isfile(os.path.join(path, REPORT_FILENAME)):
+        raise ValueError(f"--audited_model {path!r} holds no {REPORT_FILENAME}: pass the folder a trainer of this "
+                         "package saved the reward model to.")
+    check_model_kind(path, None, "reward", "--audited_model")
+    canaries = PreferenceCanaries.load(training_args.output_dir)
+    claimed = PrivacyReport.load(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    return canaries.audit(model, AutoTokenizer.from_pretrained(path), delta=claimed.delta,
+                          epsilon_claimed=claimed.epsilon, confidence=audit_args.confidence,
+                          settings={"mechanism": claimed.mechanism, "trainer": "reward (trained elsewhere)",
+                                    "model": os.path.abspath(path), "steps": claimed.steps_taken,
+                                    "users": claimed.n_users})
+
+
 def main(script_args: UserDataArguments, training_args, audit_args: AuditArguments) -> int:
-    """Run the audit, write ``audit_report.json``, ``canary_draw.json`` and ``scores.png``, print one line.
+    """Run the audit, write ``audit_report.json``, ``canary_draw.json`` and ``scores.png``, print what it found and
+    where the secret draw is; or, with ``--plant_into``, write the data to train on and the canaries.
 
     Args:
         script_args: the real users' data (:class:`~trl_userdp.scripts.utils.UserDataArguments`; the embedded IMDb
@@ -149,7 +232,12 @@ def main(script_args: UserDataArguments, training_args, audit_args: AuditArgumen
 
     out = training_args.output_dir
     delta = training_args.target_delta
-    if audit_args.auditor == "whitebox":
+    if audit_args.plant_into is not None:
+        return _plant(script_args, training_args, audit_args)
+    draw = None
+    if audit_args.audited_model is not None:
+        report = _audit_saved(training_args, audit_args)
+    elif audit_args.auditor == "whitebox":
         if audit_args.trainer != "reward":
             raise ValueError("--trainer chooses the model of --auditor blackbox; --auditor whitebox audits the engine.")
         mechanism = get_mechanism(training_args.privacy_mechanism)
@@ -162,19 +250,18 @@ def main(script_args: UserDataArguments, training_args, audit_args: AuditArgumen
             max_grad_norm=training_args.per_user_max_grad_norm, mechanism=mechanism.from_arguments(training_args),
             grad_sample_mode=training_args.grad_sample_mode, confidence=audit_args.confidence,
             seed=audit_args.audit_seed, accountant=training_args.accountant, progress=True)
-        draw = None
     else:
         report, draw = _blackbox(script_args, training_args, audit_args)
     os.makedirs(out, exist_ok=True)
     report.save(out)
     report.plot(os.path.join(out, "scores.png"))
-    if draw is not None:  # the auditor's secret: this folder holds no model
-        draw.save(out)
     claimed = "∞" if math.isinf(report.epsilon_claimed) else f"{report.epsilon_claimed:.3g}"
     fdp = "" if report.epsilon_lower_fdp is None else (
         f"; f-DP audit of the claimed curve: {'REJECTED' if report.fdp_claim_rejected else 'not rejected'}")
     print(f"ε claimed {claimed}, audited lower bound {report.epsilon_lower:.3g} at {report.confidence:.0%} "
           f"({report.correct} of {report.guesses} guesses right on {report.canaries} canary users{fdp})")
+    if draw is not None:  # the auditor's secret: this folder holds no model
+        print(f"trl-userdp: the canary draw is {draw.save(out)}: {SECRET}")
     print(f"trl-userdp: audit_report.json and scores.png written to {out}")
     return 0
 

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import logging
 import os
-from typing import ClassVar, Optional, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 import numpy as np
 from trl import ModelConfig, ScriptArguments, get_peft_config
@@ -171,32 +171,38 @@ def _truncate_reward_inputs(model, limit: int) -> None:
     model.register_forward_pre_hook(truncate, with_kwargs=True)
 
 
-def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, rl_args: RLArguments) -> int:
-    """Run GRPO against a private reward model, save the policy with the report it carries, print the report.
+def online_setup(script_args: ScriptArguments, training_args, model_args: ModelConfig, rl_args: RLArguments, *,
+                 user_column: Optional[str] = None) -> Dict[str, Any]:
+    """What ``rl`` and ``grpo`` hand their GRPO trainer: the prompts, the policy, the reward model with its report,
+    their tokenizers and LoRA options, each model checked to be of its kind before any weight loads.
 
     Args:
-        script_args: the prompts (a dataset with a ``prompt`` column; unset, IMDb review openings).
-        training_args: a :class:`~trl.GRPOConfig`.
+        script_args: the prompts (a dataset with a ``prompt`` column; unset, IMDb review openings for ``rl``).
+        training_args: the GRPO config (``max_completion_length`` is capped to the policy's positions).
         model_args: the policy (a saved model or LoRA adapters) and LoRA options.
         rl_args: the reward model's folder and the number of IMDb prompts.
+        user_column: None: public prompts, a dataset with any other column is refused (``rl``); else the users'
+            own prompts, which must carry this column (``grpo``).
 
     Returns:
-        0.
+        The trainer's keyword arguments.
 
     Raises:
-        ValueError: a dataset without the split or a ``prompt`` column, prompts too long for the policy, or
-            ``--use_peft`` on a LoRA policy.
+        ValueError: a dataset without the split, a ``prompt`` column or the user column, or with a column the
+            command does not take; prompts too long for the policy; ``--use_peft`` on a LoRA policy.
         OSError: a missing model folder.
     """
-    # lazy: datasets, transformers and the trainers are heavy
+    # lazy: datasets, torch and transformers are heavy
+    import torch
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from ..trainers import PublicPromptGRPOTrainer
 
     check_model_kind(rl_args.reward_model, None, "reward", "--reward_model")  # before any data or weights load
     check_model_kind(model_args.model_name_or_path, model_args.model_revision, "causal-lm", "--model_name_or_path")
     if script_args.dataset_name is None:
+        if user_column is not None:
+            raise ValueError("grpo trains on the users' own prompts: pass --dataset_name, a file with a 'prompt' and "
+                             f"a {user_column!r} column.")
         from ..experiments.imdb import load_imdb_reviews  # lazy: the experiments load datasets
         from ..experiments.pipeline import snippet
 
@@ -210,15 +216,20 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, r
             raise ValueError(f"dataset {script_args.dataset_name!r} has no split {script_args.dataset_train_split!r} "
                              f"(it has {sorted(prompts)}).")
         prompts = prompts[script_args.dataset_train_split]
-        if "prompt" not in prompts.column_names:
-            raise ValueError(f"dataset {script_args.dataset_name!r} has no 'prompt' column (it has "
+        wanted = ["prompt"] if user_column is None else ["prompt", user_column]
+        missing = [c for c in wanted if c not in prompts.column_names]
+        if missing:
+            raise ValueError(f"dataset {script_args.dataset_name!r} has no {missing[0]!r} column (it has "
                              f"{prompts.column_names}).")
-        others = sorted(set(prompts.column_names) - {"prompt"})
-        if others:  # a user column: the users' own prompts, which this command does not privatise
+        others = sorted(set(prompts.column_names) - set(wanted))
+        if others and user_column is None:  # a user column: the users' own prompts, which `rl` does not privatise
             raise ValueError(f"dataset {script_args.dataset_name!r} has columns {others} besides 'prompt': `rl` trains "
-                             "on public prompts (the policy carries the reward model's ε). Users' own prompts need "
-                             "user-level DP on them: UserDPGRPOTrainer from Python (docs/trainers.md, \"GRPO on the "
-                             "users' own prompts\"); or drop the columns if the prompts are public.")
+                             "on public prompts (the policy carries the reward model's ε). On the users' own prompts "
+                             "use `trl-userdp grpo` (user-level DP on them); or drop the columns if the prompts are "
+                             "public.")
+        if others:
+            raise ValueError(f"dataset {script_args.dataset_name!r} has columns {others} besides {wanted}: GRPO hands "
+                             "every column to the reward functions. Drop them.")
     # LoRA adapters (`reward --use_peft`) load on the base they name, with the report of their folder
     reward_model = _with_report(
         AutoModelForSequenceClassification.from_pretrained(rl_args.reward_model, num_labels=1), rl_args.reward_model)
@@ -229,13 +240,35 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, r
     policy, policy_config, tokenizer_path = _load_policy(model_args.model_name_or_path, model_args.model_revision)
     peft_config = get_peft_config(model_args)
     if peft_config is not None and not isinstance(policy, str):
-        raise ValueError(f"{model_args.model_name_or_path!r} holds LoRA adapters: rl trains them further; drop "
+        raise ValueError(f"{model_args.model_name_or_path!r} holds LoRA adapters, which are trained further: drop "
                          "--use_peft.")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     _cap_completion_length(training_args, policy_config, tokenizer, prompts)
-    trainer = PublicPromptGRPOTrainer(model=policy, reward_funcs=reward_model, args=training_args, train_dataset=prompts,
-                                      processing_class=tokenizer, reward_processing_classes=reward_tokenizer,
-                                      peft_config=peft_config)
+    if training_args.dataloader_pin_memory and not torch.accelerator.is_available():
+        training_args.dataloader_pin_memory = False  # pinning needs an accelerator: without one torch only warns
+    return dict(model=policy, reward_funcs=reward_model, args=training_args, train_dataset=prompts,
+                processing_class=tokenizer, reward_processing_classes=reward_tokenizer, peft_config=peft_config)
+
+
+def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, rl_args: RLArguments) -> int:
+    """Run GRPO on public prompts against a private reward model, save the policy with the report it carries, print
+    the report.
+
+    Args:
+        script_args: the prompts (a dataset with a ``prompt`` column only; unset, IMDb review openings).
+        training_args: a :class:`~trl.GRPOConfig`.
+        model_args: the policy (a saved model or LoRA adapters) and LoRA options.
+        rl_args: the reward model's folder and the number of IMDb prompts.
+
+    Returns:
+        0.
+
+    Raises:
+        ValueError, OSError: as :func:`online_setup`.
+    """
+    from ..trainers import PublicPromptGRPOTrainer  # lazy: the trainers are heavy
+
+    trainer = PublicPromptGRPOTrainer(**online_setup(script_args, training_args, model_args, rl_args))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     return _done(trainer, trainer.carried_privacy_report())

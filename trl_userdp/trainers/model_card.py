@@ -9,6 +9,7 @@ import os
 from typing import List, Optional, Union
 
 from ..accountants import PrivacyReport
+from ..models import describe_packaged_model
 
 #: tags added to TRL's own in every card
 TAGS = ["trl_userdp", "user-level-dp"]
@@ -34,8 +35,9 @@ class PrivacyModelCardMixin:
 
     def card_base_model(self) -> str:
         """What the card says the model was fine-tuned from, where TRL's card (which links hub ids only) would say
-        "[None](https://huggingface.co/None)": :attr:`base_model_description`, else the local folder the model was
-        loaded from, else the architecture built from a config.
+        "[None](https://huggingface.co/None)": :attr:`base_model_description`, else a packaged model by its origin
+        (:func:`~trl_userdp.models.describe_packaged_model`), else the local folder the model was loaded from, else the
+        architecture built from a config.
 
         Returns:
             The markdown.
@@ -45,7 +47,7 @@ class PrivacyModelCardMixin:
         config = self.model.config
         name = getattr(config, "_name_or_path", "") or ""
         if name:
-            return f"the model in `{name}`"
+            return describe_packaged_model(name) or f"the model in `{name}`"
         return f"a `{getattr(config, 'model_type', type(self.model).__name__)}` model built from its configuration"
 
     def create_model_card(self, model_name: Optional[str] = None, dataset_name: Optional[str] = None,

