@@ -305,7 +305,8 @@ def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc:
 
 
 def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, device: torch.device,
-                 memory: Memory, fsdp2: bool = False, dtype: torch.dtype = torch.float32) -> Dict:
+                 memory: Memory, fsdp2: bool = False, dtype: torch.dtype = torch.float32,
+                 methods: Optional[Sequence[str]] = None) -> Dict:
     factory, losses, vocab = workload(name)
     base = factory().to(device, dtype)
     base.train()
@@ -320,6 +321,8 @@ def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, 
         kinds["fsdp2 non-private"] = lambda mod: Sharded(NonPrivate, mod, losses, rows)
         for m in ms:
             kinds[f"fsdp2 user ghost m={m}"] = lambda mod, m=m: Sharded(UserLevel, mod, losses, rows, m=m, mode="ghost")
+    if methods is not None:  # the non-private control always runs
+        kinds = {k: b for k, b in kinds.items() if k == "non-private" or any(k.startswith(m) for m in methods)}
     methods = {kind: build(copy.deepcopy(base)) for kind, build in kinds.items()}
     cells = measure(methods, batch, steps, memory, name)
     ref = cells["non-private"]
@@ -451,6 +454,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser.add_argument("--profile", action="store_true",
                         help="also profile one non-private and one user ghost step (m = the first of --ms) of the first "
                              "workload: the time of each part of the step")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="only the methods whose names start with these (e.g. 'user ghost'), beside the non-private "
+                             "control: every resident model slows the others' steps (docs/benchmarks.md), so fewer is "
+                             "closer to a run of one model")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--name", default="step_cost")
     args = parser.parse_args(argv)
@@ -458,7 +465,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     memory = Memory(device)
     with _one_process_group(device, args.fsdp2):
         results = {name: run_workload(name, args.ms, args.rows, args.seq, args.steps, device, memory, args.fsdp2,
-                                      DTYPES[args.dtype])
+                                      DTYPES[args.dtype], args.methods)
                    for name in tqdm(args.workloads, desc="workloads")}
     header = ["workload", "method", "median s", "min s", "time ×", "peak extra MB", "memory ×"]
     rows = [[w, k, f"{c['median_s']:.3f}", f"{c['min_s']:.3f}", f"{c['time_ratio']:.2f}",
@@ -497,7 +504,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             [[part, f"{profile['non-private'][part]:.2f}", f"{ghost[part]:.2f}",
               f"{ghost[part] / ghost['whole step']:.0%}"] for part, _ in PROFILE_PARTS]))
     settings = {"rows": args.rows, "seq": args.seq, "steps": args.steps, "ms": args.ms, "device": str(device),
-                "dtype": args.dtype,
+                "dtype": args.dtype, "methods": args.methods,
                 "torch_threads": torch.get_num_threads(), "noise_multiplier": 1.0, "max_grad_norm": 1.0}
     path = write_results(args.name, {"settings": settings, "results": results, "scaling": scaling, "profile": profile,
                                      "tables": tables}, args.out)

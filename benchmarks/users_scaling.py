@@ -591,7 +591,8 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
     reproduction, reproduction_table = _reproduction(results, opts.seeds)
     out = {"arguments": vars(opts), "rule": {"users_per_batch": "2*sqrt(n)", "steps": STEPS, "clip": 1.0,
                                              "learning_rate": lr}, "data_card": data.card, "tau": payload["tau"],
-           "tuning": tuning, "results": results, "summary": summary, "aup_regime": regime, "table": table,
+           "tuning": tuning, "results": [{k: v for k, v in r.items() if k != "head"} for r in results],  # no weights
+           "summary": summary, "aup_regime": regime, "table": table,
            "reached_table": reached_table, "aup_table": regime_table + "\n" + halts, "tuning_table": tuning_table,
            "reproduction": reproduction, "reproduction_table": reproduction_table}
     write_results("users_scaling", out, opts.out)  # kept if GRPO fails

@@ -138,7 +138,7 @@ def test_the_quick_starts_run_as_written(tmp_path, monkeypatch):
     names = {}
     exec(compile(second, "README quick start 2", "exec"), names)
     report = PrivacyReport.load("rm")
-    assert report.steps_taken == 50 and report.epsilon == pytest.approx(8.0, rel=1e-3)
+    assert report.steps_taken == 30 and report.epsilon == pytest.approx(8.0, rel=1e-3)
     assert report.n_users == 200 and report.max_samples_per_user == 10
     assert sum(p.requires_grad for p in names["model"].parameters()) == 2  # the head's weight and bias
     card = (tmp_path / "rm" / "README.md").read_text()

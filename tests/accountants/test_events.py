@@ -176,7 +176,7 @@ def test_the_calibrated_sigma_does_not_depend_on_where_the_search_starts(start):
                                        value_discretization_interval=COARSE_DISCRETIZATION)
     default = event.calibrate(3.0, 1e-5, sample_rate=0.5, steps=4, tol=1e-3)
     assert abs(sigma - default) < 3e-3
-    assert event.search_start(3.0, 1e-5, 0.5, 4, "add_or_remove") >= default
+    assert event.search_plan(3.0, 1e-5, 0.5, 4, "add_or_remove")[0] >= default
 
 
 @pytest.mark.parametrize("event", [PoissonGaussian(), GroupPrivacyGaussian(10)], ids=["user-wise", "group"])
@@ -191,13 +191,13 @@ def test_a_pld_calibration_starts_at_the_rdp_sigma_and_brackets_in_few_evaluatio
     monkeypatch.setattr(pld.PLDAccountant, "get_epsilon",
                         lambda self, delta: evaluations.append(delta) or get_epsilon(self, delta))
     plan = dict(sample_rate=8 / 30, steps=20, relation="add_or_remove")
-    start = event.search_start(3.0, DELTA, **plan)
+    start, factor = event.search_plan(3.0, DELTA, **plan)
     assert evaluations == []  # the start is RDP's
     rdp = event.calibrate(3.0, DELTA, accountant="rdp", tol=1e-3, **{k: v for k, v in plan.items() if k != "relation"})
     assert start == pytest.approx(rdp, abs=2e-2)
     sigma = calibrate_noise_multiplier(lambda s: event(s, plan["sample_rate"], plan["steps"]), target_epsilon=3.0,
                                        target_delta=DELTA, accountant="pld", group_size=event.group_size, tol=1e-3,
-                                       start=start, factor=event.search_factor)
+                                       start=start, factor=factor)
     near = len(evaluations)
     assert 0 < near <= 9
     from_one = calibrate_noise_multiplier(lambda s: event(s, plan["sample_rate"], plan["steps"]), target_epsilon=3.0,
@@ -207,6 +207,7 @@ def test_a_pld_calibration_starts_at_the_rdp_sigma_and_brackets_in_few_evaluatio
 
 
 def test_the_search_starts_at_one_where_rdp_gives_no_sigma():
-    """A target RDP cannot calibrate in range (met at its smallest σ) leaves the start at σ = 1 for PLD's own search,
-    which decides: the start never decides a calibration's outcome."""
-    assert PoissonGaussian().search_start(1e4, DELTA, 0.01, 1, "add_or_remove") == 1.0
+    """A target RDP cannot calibrate in range (met at its smallest σ), or an event RDP does not account, leaves the
+    start at σ = 1 and the step at 2 for PLD's own search, which decides: the start never decides an outcome."""
+    assert PoissonGaussian().search_plan(1e4, DELTA, 0.01, 1, "add_or_remove") == (1.0, 2.0)
+    assert PoissonGaussian().search_plan(3.0, DELTA, 0.01, 10, "replace") == (1.0, 2.0)  # RDP: no Poisson replace-one

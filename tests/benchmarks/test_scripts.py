@@ -178,3 +178,11 @@ def test_users_scaling_shares_the_gain_with_a_bootstrap_interval_over_prompts():
     lo, hi = users_scaling._share_interval(private, none, sft)
     share = (private - sft).mean() / (none - sft).mean()
     assert lo < share < hi and 0.15 < lo and hi < 0.45  # the share 0.3, both gains resampled
+
+
+def test_step_cost_runs_only_the_methods_asked_for_beside_the_control(tmp_path):
+    from benchmarks import step_cost
+
+    out = step_cost.main(["--workloads", "llama_lora", "--ms", "1", "2", "--rows", "4", "--seq", "8", "--steps", "1",
+                          "--users", "--methods", "user ghost", "--out", str(tmp_path)])
+    assert set(out["results"]["llama_lora"]["cells"]) == {"non-private", "user ghost m=1", "user ghost m=2"}

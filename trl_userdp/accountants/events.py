@@ -228,8 +228,6 @@ class StepEvent:
     name: ClassVar[str] = ""
     #: only dp-accounting's PLD accountant supports the event
     pld_only: ClassVar[bool] = False
-    #: the bracket search's step from :meth:`search_start` (× or ÷ until ε crosses the target)
-    search_factor: ClassVar[float] = 1.25
 
     def __call__(self, noise_multiplier: float, sample_rate: float, steps: int) -> dpa.DpEvent:
         """The event of ``steps`` steps at ``(σ, q)``.
@@ -257,13 +255,13 @@ class StepEvent:
         """Options of the dp-accounting accountant (e.g. a coarser PLD grid)."""
         return {}
 
-    def search_start(self, target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
-                     relation: str) -> float:
-        """Where :meth:`calibrate`'s bracket search starts: any σ is correct (the search multiplies or divides it by
-        :attr:`search_factor`), one near the answer saves evaluations. The base class starts at the σ that RDP
-        calibrates (milliseconds, to 1%), for events RDP accounts: RDP's conversion to (ε, δ) is looser than PLD's, so
-        PLD's σ is at most about that, within a few percent, and a PLD search brackets in two evaluations of its own
-        instead of six or more from σ = 1 (`trl-userdp account`, issue 44).
+    def search_plan(self, target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
+                    relation: str) -> Tuple[float, float]:
+        """Where :meth:`calibrate`'s bracket search starts, and the factor it multiplies or divides σ by until ε crosses
+        the target: any start is correct, one near the answer saves evaluations. The base class starts at the σ that
+        RDP calibrates (milliseconds, to 1%), for events RDP accounts: RDP's conversion to (ε, δ) is looser than
+        PLD's, so PLD's σ is at most about that, within a few percent, and a PLD search steps by 1.25 and brackets in
+        two evaluations of its own instead of six or more from σ = 1 by 2 (`trl-userdp account`, issue 44).
 
         Args:
             target_epsilon: The target ε.
@@ -273,17 +271,17 @@ class StepEvent:
             relation: The neighbouring relation.
 
         Returns:
-            The RDP σ; σ = 1 for an event RDP cannot account under ``relation``, or a target RDP cannot meet within
-            the searched range (PLD's search then says whether it can).
+            ``(RDP's σ, 1.25)``; ``(1, 2)`` for an event RDP cannot account under ``relation``, or a target RDP cannot
+            meet within the searched range (PLD's search then says whether it can).
         """
         if self.pld_only or not make_accountant("rdp", relation).supports(self(1.0, sample_rate, steps)):
-            return 1.0
+            return 1.0, 2.0
         try:
             return calibrate_noise_multiplier(lambda s: self(s, sample_rate, steps), target_epsilon=target_epsilon,
                                               target_delta=target_delta, accountant="rdp", relation=relation,
-                                              group_size=self.group_size, tol=1e-2)
+                                              group_size=self.group_size, tol=1e-2), 1.25
         except ValueError:
-            return 1.0
+            return 1.0, 2.0
 
     def composed(self, history: Sequence[Tuple[float, float, int]]) -> dpa.DpEvent:
         """The event of an accountant's history.
@@ -434,15 +432,15 @@ class ELSGaussian(RecordLevelEvent):
         """The PLD grid: the coarse discretization, which ELS's many-fold compositions need to stay fast."""
         return {"value_discretization_interval": COARSE_DISCRETIZATION}
 
-    def search_start(self, target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
-                     relation: str) -> float:
-        """The group-privacy σ of the same records (:class:`GroupPrivacyGaussian`, seconds): ELS's tighter accounting
+    def search_plan(self, target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
+                    relation: str) -> Tuple[float, float]:
+        """From the group-privacy σ of the same records by 1.25 (:class:`GroupPrivacyGaussian`, seconds): ELS's tighter accounting
         needs at most about that much, and its mixture's privacy-loss distribution takes seconds to build at a small
         σ (5.9 s at σ = 1 against 0.4 s at σ = 32, m = 6, q = 0.5, T = 10), so the search stays near the answer. To
         1e-3, the tolerance of ``trl-userdp account``'s group column, which then costs nothing here."""
         return GroupPrivacyGaussian(self.max_samples_per_user).calibrate(
             target_epsilon, target_delta, sample_rate=sample_rate, steps=steps, accountant="pld", relation=relation,
-            tol=1e-3)
+            tol=1e-3), 1.25
 
     def __call__(self, noise_multiplier, sample_rate, steps):
         return els_event(noise_multiplier, sample_rate, steps, self.max_samples_per_user)
@@ -464,7 +462,6 @@ class TruncatedPoissonGaussian(StepEvent):
     max_users_per_batch: int
     name: ClassVar[str] = "truncated_poisson_gaussian"
     pld_only: ClassVar[bool] = True
-    search_factor: ClassVar[float] = 2.0  # from σ = 1: RDP does not account the truncation
 
     def __post_init__(self):
         for field in ("n_users", "max_users_per_batch"):
@@ -490,8 +487,8 @@ def _calibrate(event: StepEvent, target_epsilon: float, target_delta: float, sam
                accountant: str, relation: str, tol: float) -> float:
     """:meth:`StepEvent.calibrate`, once per process for each setting: a PLD calibration takes seconds, and a trainer,
     its resume, the engines and the CLI ask for the same one again (the event is a frozen dataclass, so it is a key)."""
+    start, factor = event.search_plan(target_epsilon, target_delta, sample_rate, steps, relation)
     return calibrate_noise_multiplier(
         lambda s: event(s, sample_rate, steps), target_epsilon=target_epsilon, target_delta=target_delta,
-        accountant=accountant, relation=relation, group_size=event.group_size, tol=tol,
-        start=event.search_start(target_epsilon, target_delta, sample_rate, steps, relation),
-        factor=event.search_factor, **event.accountant_options)
+        accountant=accountant, relation=relation, group_size=event.group_size, tol=tol, start=start, factor=factor,
+        **event.accountant_options)

@@ -509,7 +509,8 @@ class UserGhostHooks(UserGradSampleHooks):
                       slots: torch.Tensor) -> bool:
         """Whether this layer takes the direct route: its unit gradients ``[U, p, d]`` (``L·T·d·p`` operations a unit,
         which also give the clipped sum) instead of its Gram matrices (``(L·T)²·(d + p)``, plus the book-kept sum's
-        ``L·T·d·p``). The direct route is never slower; it is taken unless it holds more than
+        ``L·T·d·p``). Fewer operations, but large unit gradients cost memory traffic (on a CPU, SmolLM's MLP layers and
+        LM head measured slower on it, docs/benchmarks.md): it is taken unless it holds more than
         :data:`DIRECT_MEMORY_SLACK` times the memory of the stored input and output gradient (``L·T·(d + p)`` a unit),
         and never for an embedding (its unit gradient is a vocabulary-sized table)."""
         weight = getattr(module, "weight", None)
