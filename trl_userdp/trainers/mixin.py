@@ -38,6 +38,7 @@ from ..data import check_text_columns, resolve_user_ids
 from ..grad_sample.checks import active_dropout, disable_dropout
 from ..mechanisms import UserRandomizedResponse, get_mechanism, mechanism_names
 from ..privacy_engine import PrivacyEngine
+from ..stack_warnings import without_stack_deprecations
 from .fused_head import unfuse_lm_head
 from .model_card import PrivacyModelCardMixin
 from .privacy_config import UserDPArguments
@@ -444,8 +445,11 @@ class UserDPTrainerMixin(PrivacyModelCardMixin):
             self._metrics = metrics
 
     def train(self, *args, **kwargs):
-        """TRL's training; the model then carries its privacy report, and the mean training loss is not returned."""
-        output = super().train(*args, **kwargs)
+        """TRL's training (without the FutureWarnings of TRL's use of transformers' renamed gradient-checkpointing API,
+        :mod:`~trl_userdp.stack_warnings`); the model then carries its privacy report, and the mean training loss is
+        not returned."""
+        with without_stack_deprecations():
+            output = super().train(*args, **kwargs)
         if self._privacy.private:
             report = self._privacy.report(self)
             if report is not None:

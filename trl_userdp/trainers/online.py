@@ -18,6 +18,7 @@ import torch
 from trl import GRPOTrainer, RLOOTrainer
 
 from ..accountants import REPORT_FILENAME, PrivacyReport
+from ..stack_warnings import without_stack_deprecations
 from .model_card import PrivacyModelCardMixin
 
 
@@ -187,6 +188,12 @@ class PublicPromptOnlineMixin(PrivacyModelCardMixin):
                     "the private preference data (GRPO hands every column to the reward functions). Drop them, or "
                     "list public ones in `public_columns`."
                 )
+
+    def train(self, *args, **kwargs):
+        """TRL's training, without the FutureWarnings of TRL's use of transformers' renamed gradient-checkpointing API
+        (:mod:`~trl_userdp.stack_warnings`)."""
+        with without_stack_deprecations():
+            return super().train(*args, **kwargs)
 
     def _inherited_reports(self) -> List[PrivacyReport]:
         return listed(self.policy_privacy_report, self.reward_privacy_reports)

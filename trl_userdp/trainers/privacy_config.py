@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import warnings
 from typing import Optional
 
 import torch
@@ -16,6 +15,7 @@ from ..accountants.analysis import NEIGHBORING_RELATIONS
 from ..mechanisms import get_mechanism, mechanism_names
 from ..mechanisms.group import GROUP_ACCOUNTING
 from ..setup_options import GRAD_SAMPLE_MODES
+from ..stack_warnings import without_stack_deprecations
 from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_noise_multiplier, check_positive
 
 logger = logging.getLogger(__name__)
@@ -118,10 +118,9 @@ class UserDPArguments:
             self.bf16 = not getattr(self, "use_cpu", False) and is_torch_bf16_gpu_available()
         if getattr(self, "dataloader_pin_memory", False) and not torch.accelerator.is_available():
             self.dataloader_pin_memory = False  # pinning needs an accelerator: without one torch only warns
-        with warnings.catch_warnings():
-            # TRL's configs default `gradient_checkpointing=True`, a field transformers 5 deprecates: its FutureWarning
-            # is about nothing the user wrote (and checkpointing is turned off under DP below unless reentrant)
-            warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+        # TRL's default `gradient_checkpointing=True` (turned off under DP below unless reentrant) is a field that
+        # transformers 5 deprecates
+        with without_stack_deprecations():
             super().__post_init__()
         self._validate_privacy_fields()
 
