@@ -53,3 +53,10 @@ def test_the_clip_norm_is_named_as_the_trainers_name_it_and_old_reports_still_lo
     assert saved["per_user_max_grad_norm"] == 1.0 and "max_grad_norm" not in saved
     saved["max_grad_norm"] = saved.pop("per_user_max_grad_norm")
     assert PrivacyReport.from_dict(saved) == report
+
+
+def test_the_summary_is_one_line_with_the_guarantee_and_what_spent_it():
+    assert _report().summary() == ("ε = 2.99, δ = 1e-05 per user (add-or-remove-one); user_dpsgd, σ = 0.85, 250 steps; "
+                                   "2500 users, at most 10 rows each")
+    assert _report(max_samples_per_user=1).summary().endswith("at most 1 row each")
+    assert _report(mechanism="none", epsilon=math.inf).summary() == "ε = ∞ (no differential privacy); none"

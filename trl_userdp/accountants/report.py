@@ -109,7 +109,7 @@ class PrivacyReport:
                  f"- mechanism: `{self.mechanism}`; accountant: {self.accountant}"
                  + ("" if self.noise_multiplier is None else f"; steps accounted: {self.steps_taken}")]
         if self.n_users:
-            lines.append(f"- users: {self.n_users}, at most {self.max_samples_per_user} rows each"
+            lines.append(f"- users: {self.n_users}, at most {self._rows()} each"
                          + ("" if self.sample_rate is None else f"; user sampling rate {self.sample_rate:.4g}")
                          + ("" if self.noise_multiplier is None else f"; noise multiplier {self.noise_multiplier:.4g}"))
         if self.extra.get("protects") == "labels only":
@@ -142,8 +142,12 @@ class PrivacyReport:
         if self.noise_multiplier is not None:
             line += f", σ = {self.noise_multiplier:.4g}, {self.steps_taken} steps"
         if self.n_users:
-            line += f"; {self.n_users} users, at most {self.max_samples_per_user} rows each"
+            line += f"; {self.n_users} users, at most {self._rows()} each"
         return line
+
+    def _rows(self) -> str:
+        m = self.max_samples_per_user
+        return f"{m} row" if m == 1 else f"{m} rows"
 
     def to_json(self) -> str:
         """The report as indented JSON with sorted keys.

@@ -20,7 +20,7 @@ import os
 from typing import Optional
 
 from ..validators import check_confidence
-from .utils import UserDataArguments, _load_data, command_parser, run_script
+from .utils import UserDataArguments, command_parser, load_user_data, run_script
 
 #: the command's line in ``trl-userdp --help``
 HELP = "Audit a run in one training run: canary users, and a lower bound on its ε (docs/audit.md)."
@@ -113,7 +113,7 @@ def _blackbox(script_args: UserDataArguments, training_args, audit_args: AuditAr
     from ..audit.fdp import audits_curve
 
     dpo = audit_args.trainer == "dpo"
-    train, _ = _load_data(script_args, training_args, for_dpo=dpo)
+    train, _ = load_user_data(script_args, training_args, for_dpo=dpo)
     if dpo and not isinstance(train[0].get("prompt"), str):
         raise ValueError("--trainer dpo audits datasets whose prompts are strings (the canary pairs are written as "
                          "text); this dataset's are not.")
@@ -163,7 +163,7 @@ def _plant(script_args: UserDataArguments, training_args, audit_args: AuditArgum
     from ..audit import PreferenceCanaries
     from ..models import resolve_model_path
 
-    train, _ = _load_data(script_args, training_args)
+    train, _ = load_user_data(script_args, training_args)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(audit_args.canary_tokenizer))
     canaries = PreferenceCanaries.make(tokenizer, audit_args.canaries, tokens=audit_args.canary_tokens,
                                        pairs_per_user=audit_args.canary_pairs, seed=audit_args.audit_seed)

@@ -16,8 +16,8 @@ from typing import Optional
 
 from trl import ModelConfig, get_peft_config
 
-from .utils import (SHARD_HELP, UserDataArguments, _done, _load_data, check_model_kind, command_parser, run_script,
-                    shard_for_training)
+from .utils import (SHARD_HELP, UserDataArguments, check_model_kind, command_parser, finish_run, load_user_data,
+                    run_script, shard_for_training)
 
 #: the command's line in ``trl-userdp --help``
 HELP = "Train a policy with user-level private DPO (UserDPDPOTrainer)."
@@ -86,7 +86,7 @@ def main(script_args: UserDataArguments, training_args, model_args: PolicyModelC
     tiny = model_args.model_name_or_path in ("tiny", "minilm")
     if not tiny:  # before any data or weights load
         check_model_kind(model_args.model_name_or_path, model_args.model_revision, "causal-lm", "--model_name_or_path")
-    train, eval_dataset = _load_data(script_args, training_args, for_dpo=True)
+    train, eval_dataset = load_user_data(script_args, training_args, for_dpo=True)
     if tiny:
         from ..experiments.imdb import public_corpus  # lazy: the experiments load datasets
         from ..experiments.pipeline import small_causal_lm
@@ -122,7 +122,7 @@ def main(script_args: UserDataArguments, training_args, model_args: PolicyModelC
         trainer.base_model_description = TINY_CARD
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
-    return _done(trainer, trainer.privacy_report())
+    return finish_run(trainer, trainer.privacy_report())
 
 
 def make_parser(subparsers: Optional[argparse._SubParsersAction] = None, prog: Optional[str] = None):

@@ -17,7 +17,7 @@ from typing import Optional
 from trl import ModelConfig, ScriptArguments
 
 from .rl import RLArguments, online_setup
-from .utils import _done, command_parser, run_script
+from .utils import command_parser, finish_run, run_script
 
 #: the command's line in ``trl-userdp --help``
 HELP = "GRPO on the users' own prompts with user-level DP (UserDPGRPOTrainer); composes the reward model's ε."
@@ -46,7 +46,7 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, r
                                                user_column=training_args.user_column))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
-    return _done(trainer, trainer.privacy_report())
+    return finish_run(trainer, trainer.privacy_report())
 
 
 def make_parser(subparsers: Optional[argparse._SubParsersAction] = None, prog: Optional[str] = None):

@@ -14,7 +14,8 @@ from typing import Optional
 
 from trl import ModelConfig, get_peft_config
 
-from .utils import SHARD_HELP, UserDataArguments, _done, _load_data, command_parser, run_script, shard_for_training
+from .utils import (SHARD_HELP, UserDataArguments, command_parser, finish_run, load_user_data, run_script,
+                    shard_for_training)
 
 #: the command's line in ``trl-userdp --help``
 HELP = "Train a user-level private reward model (UserDPRewardTrainer)."
@@ -51,7 +52,7 @@ def main(script_args: UserDataArguments, training_args, model_args: RewardModelC
     from ..models import load_reward_model  # lazy: transformers and the trainers are heavy
     from ..trainers import UserDPRewardTrainer
 
-    train, eval_dataset = _load_data(script_args, training_args)
+    train, eval_dataset = load_user_data(script_args, training_args)
     model, tokenizer = load_reward_model(model_args.model_name_or_path, revision=model_args.model_revision,
                                          train_all_layers=model_args.train_all_layers or model_args.use_peft)
     if model_args.shard_model:
@@ -60,7 +61,7 @@ def main(script_args: UserDataArguments, training_args, model_args: RewardModelC
                                   processing_class=tokenizer, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
-    return _done(trainer, trainer.privacy_report())
+    return finish_run(trainer, trainer.privacy_report())
 
 
 def make_parser(subparsers: Optional[argparse._SubParsersAction] = None, prog: Optional[str] = None):

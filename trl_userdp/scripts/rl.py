@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Dict, Optional, Tuple
 import numpy as np
 from trl import ModelConfig, ScriptArguments, get_peft_config
 
-from .utils import _done, _load_splits, check_model_kind, command_parser, run_script
+from .utils import check_model_kind, command_parser, finish_run, load_splits, run_script
 
 #: the command's line in ``trl-userdp --help``
 HELP = "Online RL (GRPO) on a private reward model: post-processing, no new ε."
@@ -211,7 +211,7 @@ def online_setup(script_args: ScriptArguments, training_args, model_args: ModelC
         prompts = Dataset.from_dict({"prompt": [snippet(texts[i], int(rng.integers(2, 9)))
                                                 for i in rng.permutation(len(texts))[: rl_args.n_prompts]]})
     else:
-        prompts = _load_splits(script_args)
+        prompts = load_splits(script_args)
         if script_args.dataset_train_split not in prompts:
             raise ValueError(f"dataset {script_args.dataset_name!r} has no split {script_args.dataset_train_split!r} "
                              f"(it has {sorted(prompts)}).")
@@ -271,7 +271,7 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig, r
     trainer = PublicPromptGRPOTrainer(**online_setup(script_args, training_args, model_args, rl_args))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
-    return _done(trainer, trainer.carried_privacy_report())
+    return finish_run(trainer, trainer.carried_privacy_report())
 
 
 def make_parser(subparsers: Optional[argparse._SubParsersAction] = None, prog: Optional[str] = None):

@@ -1,6 +1,6 @@
 """What the ``trl-userdp`` commands share: the parser (:class:`_Parser`, built by :func:`command_parser`), how a
 command runs with one-line errors (:func:`run_script`), the private training data (:class:`UserDataArguments`,
-:func:`_load_splits`, :func:`_load_data`), the reporting and logging checks, and the optional-package map.
+:func:`load_splits`, :func:`load_user_data`), the reporting and logging checks, and the optional-package map.
 
 Importing it loads TRL's argument classes only: transformers, ``datasets`` and the trainers are imported where they
 are used, so that ``trl-userdp --help`` and ``trl-userdp account`` stay fast.
@@ -221,7 +221,7 @@ def _set_log_level(config) -> None:
         package.addHandler(handler)
 
 
-def _load_splits(script_args: ScriptArguments):
+def load_splits(script_args: ScriptArguments):
     """The dataset named by ``--dataset_name`` (see :class:`UserDataArguments`).
 
     Args:
@@ -260,7 +260,7 @@ def _load_splits(script_args: ScriptArguments):
     return DatasetDict({script_args.dataset_train_split: loaded}) if isinstance(loaded, Dataset) else loaded
 
 
-def _load_data(script_args: UserDataArguments, config, for_dpo: bool = False):
+def load_user_data(script_args: UserDataArguments, config, for_dpo: bool = False):
     """The private training data of ``reward`` and ``dpo``, checked before any model is loaded.
 
     Args:
@@ -288,7 +288,7 @@ def _load_data(script_args: UserDataArguments, config, for_dpo: bool = False):
                              "--eval_strategy no.")
         return imdb_preference_dataset(script_args.n_users, script_args.pairs_per_user,
                                        prompt="Review:" if for_dpo else None, user_column=user_column), None
-    splits = _load_splits(script_args)
+    splits = load_splits(script_args)
     wanted = [script_args.dataset_train_split] + ([script_args.dataset_test_split] if evaluate else [])
     missing = [s for s in wanted if s not in splits]
     if missing:
@@ -375,7 +375,7 @@ def shard_for_training(model, model_args, training_args):
     return distributed.shard_model(model, training_args.device.type)  # fully_shard moves each shard to the device
 
 
-def _done(trainer, report) -> int:
+def finish_run(trainer, report) -> int:
     """Print a training command's guarantee in one line (:meth:`~trl_userdp.accountants.PrivacyReport.summary`; the
     full report is the file), and one line saying where everything went.
 
