@@ -269,3 +269,26 @@ def test_the_private_radius_walk_refuses_unbounded_sensitivity_and_says_when_not
                                                         radii=[1e-9], generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="radius_epsilon"):
         _private(radius_epsilon=4.0)
+
+
+def test_the_averaged_iterate_is_the_mean_of_the_steps_parameters_and_replaces_them_on_request():
+    """AUP-RLHF's output for convex models is the average of its iterates (`average_iterates=True`): the optimizer
+    keeps the running mean of the parameters after each step it takes, and `load_iterate_average()` writes it into
+    the model (post-processing: no privacy cost)."""
+    engine, model, opt, loader = _private(upb=1000.0, n_users=2000, steps=6, average_iterates=True)
+    iterates = []
+    for x, y, *_ in loader:
+        opt.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(model(x).squeeze(-1), y).backward()
+        opt.step()
+        if not opt.halted:
+            iterates.append([p.detach().clone() for p in model.parameters()])
+    assert len(iterates) >= 2 and not torch.equal(iterates[0][0], iterates[-1][0])
+    epsilon = engine.get_epsilon(1e-5)
+    opt.load_iterate_average()
+    for p, *steps in zip(model.parameters(), *iterates):
+        torch.testing.assert_close(p.detach(), torch.stack(steps).mean(0))
+    assert engine.get_epsilon(1e-5) == epsilon
+    _, _, plain_opt, _ = _private(upb=1000.0, n_users=2000, steps=6)
+    with pytest.raises(ValueError, match="No iterate average"):
+        plain_opt.load_iterate_average()
