@@ -101,10 +101,8 @@ class PrivacyReport:
         if math.isinf(self.epsilon):
             guarantee = "**none**: trained on the users' data without differential privacy (ε = ∞)"
         else:
-            relation = {"add_or_remove": "add-or-remove-one", "replace": "replace-one"}.get(
-                self.neighboring_relation, self.neighboring_relation)
             guarantee = (f"(ε = {self.epsilon:.4g}, δ = {self.delta:g})-differential privacy for {unit}, under the "
-                         f"{relation} relation")
+                         f"{self._relation()} relation")
         lines = ["## Privacy", "", f"Trained with trl_userdp: {guarantee}.", "",
                  f"- mechanism: `{self.mechanism}`; accountant: {self.accountant}"
                  + ("" if self.noise_multiplier is None else f"; steps accounted: {self.steps_taken}")]
@@ -136,14 +134,17 @@ class PrivacyReport:
         """
         if math.isinf(self.epsilon):
             return f"ε = ∞ (no differential privacy); {self.mechanism}"
-        relation = {"add_or_remove": "add-or-remove-one", "replace": "replace-one"}.get(
-            self.neighboring_relation, self.neighboring_relation)
-        line = f"ε = {self.epsilon:.4g}, δ = {self.delta:g} per {self.privacy_unit} ({relation}); {self.mechanism}"
+        line = (f"ε = {self.epsilon:.4g}, δ = {self.delta:g} per {self.privacy_unit} ({self._relation()}); "
+                f"{self.mechanism}")
         if self.noise_multiplier is not None:
             line += f", σ = {self.noise_multiplier:.4g}, {self.steps_taken} steps"
         if self.n_users:
             line += f"; {self.n_users} users, at most {self._rows()} each"
         return line
+
+    def _relation(self) -> str:
+        return {"add_or_remove": "add-or-remove-one", "replace": "replace-one"}.get(self.neighboring_relation,
+                                                                                     self.neighboring_relation)
 
     def _rows(self) -> str:
         m = self.max_samples_per_user
