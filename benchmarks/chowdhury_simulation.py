@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
 from trl_userdp.experiments.linear import generate_btl_data, mle, objective_perturbation, rr_debiased_mle, sgd_rr
 from trl_userdp.mechanisms import UserRandomizedResponse
+from trl_userdp.utils.plots import save_figure
 
 ESTIMATORS = ("non-private MLE", "central: objective perturbation", "local: RR de-biased MLE", "local: SGD-RR")
 
@@ -107,7 +108,7 @@ def plot(results: Dict, args: argparse.Namespace, path: str) -> None:
     np.atleast_1d(axes)[0].set_ylabel("‖θ̂ − θ*‖₂")
     np.atleast_1d(axes)[-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

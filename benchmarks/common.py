@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from scipy import stats
 
+from trl_userdp.utils.plots import save_figure
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -91,7 +93,7 @@ def plot_panels(path: str, panels: Sequence[Tuple[str, Sequence[float], Series, 
     else:
         fig.legend([handles[n] for n in names], names, loc="lower center", ncol=min(len(names), 4), fontsize=8)
     fig.tight_layout(rect=(0, 0.03 * (1 + len(names) // 4) if len(panels) > 1 else 0, 1, 1))
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

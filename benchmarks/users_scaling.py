@@ -15,7 +15,7 @@ public users (trained on ``--public_users`` of them at ε = 3, scored on the pai
 labels): the same search budget for every mechanism, no held-out pair used. AUP-RLHF follows the same ñ (Poisson, its
 truncation ñ + 4√ñ), not the main job's every-user steps.
 
-Controls: the same run with σ = 0 (user_dpsgd, group; user_dpsgd_adaptive keeps its count noise, ñ/20, which moves the
+Controls: the same run with σ = 0 (user_dpsgd, group; user_dpsgd_adaptive_clip keeps its count noise, ñ/20, which moves the
 clip only; aup: no Gaussian noise, AboveThreshold without Laplace noise); randomized response's is the non-private model
 (no label flipped, the de-biased loss is the BTL loss). The non-private model is also trained at each private rule's
 learning rate (``none [lr η]``): the step size apart from clipping and noise. At n = 400 every mechanism also runs with
@@ -43,8 +43,9 @@ from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_resu
 from trl_userdp.mechanisms import AUPRLHF, register_mechanism
 from trl_userdp.mechanisms.base import MECHANISM_REGISTRY
 from trl_userdp.mechanisms.aup import default_max_users_per_batch, split_budget, survival_probability
+from trl_userdp.utils.plots import save_figure
 
-MECHANISMS = ("none", "user_dpsgd", "user_dpsgd_adaptive", "group", "randomized_response", "aup")
+MECHANISMS = ("none", "user_dpsgd", "user_dpsgd_adaptive_clip", "group", "randomized_response", "aup")
 #: a control's mechanism, where it is not the mechanism itself at σ = 0
 CONTROL_OF = {"randomized_response": "none", "aup": "aup_noise_free"}
 MAIN_JOB = "main job's settings"
@@ -96,7 +97,7 @@ class ScalingData:
 
 
 def build_scaling_data(n_max: int, m: int, pool_reviews: int, public_users: int, eval_pairs: int, seed: int,
-                       max_noise: float = 0.3, snippet_words: int = 24) -> ScalingData:
+                       max_flip_rate: float = 0.3, snippet_words: int = 24) -> ScalingData:
     """The users (nested: the first n of ``n_max``), the public users and the held-out pairs.
 
     Args:
@@ -106,14 +107,13 @@ def build_scaling_data(n_max: int, m: int, pool_reviews: int, public_users: int,
         public_users: public users for training, and as many for validation.
         eval_pairs: held-out pairs, from disjoint reviews.
         seed: the data's seed.
-        max_noise: users' flip rates are Uniform(0, max_noise).
+        max_flip_rate: users' flip rates are Uniform(0, max_flip_rate).
         snippet_words: words per snippet.
 
     Returns:
         The data, with a data card.
     """
-    from trl_userdp.experiments.imdb import load_imdb_reviews
-    from trl_userdp.experiments.pipeline.data import snippet
+    from trl_userdp.data.imdb import load_imdb_reviews, snippet
     from trl_userdp.experiments.pipeline.gold import gold_reward
 
     texts, labels = load_imdb_reviews()
@@ -129,7 +129,7 @@ def build_scaling_data(n_max: int, m: int, pool_reviews: int, public_users: int,
         idx = np.stack([first, second], 1)
         prefer_first = rng.random(len(idx)) < 1 / (1 + np.exp(-(scores[idx[:, 0]] - scores[idx[:, 1]])))
         users = np.repeat(np.arange(n_users), m)
-        flip = rng.random(len(idx)) < rng.uniform(0, max_noise, n_users)[users]
+        flip = rng.random(len(idx)) < rng.uniform(0, max_flip_rate, n_users)[users]
         return np.where((prefer_first ^ flip)[:, None], idx, idx[:, ::-1]), users
 
     pairs, users = users_pairs(n_max)
@@ -140,7 +140,7 @@ def build_scaling_data(n_max: int, m: int, pool_reviews: int, public_users: int,
             "snippets": f"first {snippet_words} words of {pool_reviews} reviews; pairs drawn from them with replacement "
                         "(two distinct snippets), so a snippet appears in many users' pairs",
             "users": f"up to {n_max} users x {m} pairs, nested populations; BTL on gold log-odds, then a per-user flip "
-                     f"rate ~ Uniform(0, {max_noise})",
+                     f"rate ~ Uniform(0, {max_flip_rate})",
             "public_users": f"{public_users} for training and {public_users} for validation (their own labels), same pool",
             "held_out": f"{eval_pairs} pairs of snippets of {2 * eval_pairs} other reviews, gold orientation"}
     return ScalingData(pool, scores, pairs, users, public_pairs[train], public[train], public_pairs[~train],
@@ -256,7 +256,7 @@ def run_cell(cell: Cell) -> Dict[str, Any]:
     return {**dataclasses.asdict(cell), "series": cell.series, "accuracy": _accuracy(model.head, s["eval_pairs"]),
             "epsilon_spent": None if math.isinf(report.epsilon) else report.epsilon,
             "steps_taken": report.steps_taken, "halted": extra.get("halted"), "report": dataclasses.asdict(report),
-            "final_clip": report.per_user_max_grad_norm if cell.mechanism == "user_dpsgd_adaptive" else None,
+            "final_clip": report.per_user_max_grad_norm if cell.mechanism == "user_dpsgd_adaptive_clip" else None,
             "head": {k: v.tolist() for k, v in model.head.state_dict().items()}, "seconds": time.time() - start}
 
 
@@ -392,7 +392,7 @@ def _plot(path: str, results: List[Dict[str, Any]], epsilons: Sequence[float], n
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.tight_layout(rect=(0, 0.14, 1, 1))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -545,7 +545,7 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
                      for s in range(opts.seeds)]
         # one task per calibration: the cells whose σ is calibrated alike (user_dpsgd and its adaptive clip share the
         # accountant's event) run in one process, which calibrates once; the longest tasks first
-        family = {"user_dpsgd_adaptive": "user_dpsgd"}
+        family = {"user_dpsgd_adaptive_clip": "user_dpsgd"}
         tasks: Dict[Tuple[str, Optional[float], bool], List[Cell]] = {}
         for c in plan:
             tasks.setdefault((family.get(c.mechanism, c.mechanism), c.epsilon, c.control), []).append(c)

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import TrlParser
 
 from trl_userdp import UserDPDPOConfig, UserDPDPOTrainer
-from trl_userdp.experiments.imdb import public_corpus
-from trl_userdp.experiments.pipeline import imdb_preference_dataset, small_causal_lm
+from trl_userdp import small_causal_lm
+from trl_userdp.experiments.pipeline import imdb_preference_dataset
 
 DEFAULTS = ["--output_dir", "runs/dpo", "--max_steps", "20", "--per_device_train_batch_size", "8",
             "--learning_rate", "1e-3", "--logging_steps", "5", "--report_to", "none", "--bf16", "false",
@@ -41,7 +41,7 @@ def main(argv=None):
                                       user_column=training_args.user_column, seed=training_args.seed)
     if script_args.model_name_or_path == "small":
         # its tokenizer is saved beside the model and no report covers it: trained on public text, not the users'
-        model, tokenizer = small_causal_lm(public_corpus(), seed=training_args.seed)
+        model, tokenizer = small_causal_lm(seed=training_args.seed)
     else:
         tokenizer = AutoTokenizer.from_pretrained(script_args.model_name_or_path)
         model = AutoModelForCausalLM.from_pretrained(script_args.model_name_or_path)

@@ -17,8 +17,8 @@ from peft import LoraConfig
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import GRPOConfig, TrlParser
 
-from trl_userdp.experiments.imdb import load_imdb_reviews, public_corpus
-from trl_userdp.experiments.pipeline import small_causal_lm
+from trl_userdp import small_causal_lm
+from trl_userdp.data.imdb import load_imdb_reviews
 from trl_userdp.trainers import PublicPromptGRPOTrainer
 
 DEFAULTS = ["--output_dir", "runs/online_rl", "--max_steps", "10", "--per_device_train_batch_size", "8",
@@ -42,7 +42,7 @@ def main(argv=None):
     prompts = [" ".join(texts[i].split()[: rng.integers(2, 9)]) for i in rng.permutation(len(texts))[: script_args.n_prompts]]
     policy = script_args.policy_model
     if policy == "small":  # a small Llama saved to disk, so GRPO can also load its reference copy
-        model, tokenizer = small_causal_lm(public_corpus(), seed=training_args.seed)
+        model, tokenizer = small_causal_lm(seed=training_args.seed)
         policy = os.path.join(training_args.output_dir, "initial_policy")
         model.save_pretrained(policy)
         tokenizer.save_pretrained(policy)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 import trl_userdp
-from trl_userdp.experiments.imdb import load_imdb_reviews, make_user_preference_pairs
+from trl_userdp.data.imdb import load_imdb_reviews, make_user_preference_pairs
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -23,7 +23,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import TrlParser
 
 from trl_userdp import UserDPRewardConfig, UserDPRewardTrainer
-from trl_userdp.experiments.imdb import load_imdb_reviews
+from trl_userdp.data.imdb import load_imdb_reviews
 
 DEFAULTS = ["--output_dir", "runs/tldr_reward", "--max_steps", "30", "--per_device_train_batch_size", "4",
             "--max_samples_per_user", "50", "--learning_rate", "1e-2", "--logging_steps", "10", "--report_to", "none",

@@ -75,7 +75,7 @@ def clipped_sum(rows: Rows, *, mode: str = "hooks", dtype: str = "fp32", batchin
         dtype: "fp32", "bf16" (weights and activations) or "bf16-autocast" (fp32 weights, bf16 autocast).
         batching: "one" (one batch a step), "micro" (``micro_batches=2``), "physical" (``UserBatchMemoryManager``
             with physical batches of at most ``m`` rows).
-        mechanism: "user_dpsgd", "user_dpsgd_adaptive" or "group".
+        mechanism: "user_dpsgd", "user_dpsgd_adaptive_clip" or "group".
         passes: backward passes per batch (the loss split into that many equal terms, each backpropagated).
         drawn: the users the step's Poisson draw takes (default: all of them; none is an empty draw). The dataset,
             and so n, q and ñ, stay the same whatever is drawn.
@@ -86,7 +86,7 @@ def clipped_sum(rows: Rows, *, mode: str = "hooks", dtype: str = "fp32", batchin
     n_users = len(set(rows.users))
     m = m or max(rows.users.count(u) for u in set(rows.users))
     optimizer = torch.optim.SGD(net.parameters(), lr=1.0)
-    chosen = AdaptiveClipUserDPSGD(0.5, 0.2, count_noise_multiplier=1.0) if mechanism == "user_dpsgd_adaptive" \
+    chosen = AdaptiveClipUserDPSGD(0.5, 0.2, count_noise_multiplier=1.0) if mechanism == "user_dpsgd_adaptive_clip" \
         else mechanism
     engine = trl_userdp.PrivacyEngine()
     net, optimizer, loader = engine.make_private_user_level(

@@ -197,7 +197,7 @@ def _partly_sharded(module):
     (_fully_shard, {"grad_sample_mode": "ghost"}, "Linear layer is sharded on its own"),
     (_partly_sharded, {"grad_sample_mode": "ghost"}, "Some parameters are sharded and some are not"),
     (_hybrid_sharded, {"grad_sample_mode": "ghost"}, "no HSDP or tensor parallelism"),
-    (_block_sharded, {"grad_sample_mode": "ghost", "mechanism": "user_dpsgd_adaptive"},
+    (_block_sharded, {"grad_sample_mode": "ghost", "mechanism": "user_dpsgd_adaptive_clip"},
      "does not run on an FSDP2-sharded model"),
 ])
 def test_a_wrapped_model_or_an_unsupported_sharding_is_refused_before_training(tmp_path, wrap, options, reason):

@@ -7,7 +7,7 @@ import dp_accounting as dpa
 import pytest
 import torch
 from dp_accounting import pld, rdp
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import trl_userdp
 from trl_userdp.accountants.analysis import RDP_ORDERS
@@ -99,7 +99,8 @@ def test_the_epsilon_entry_point_calibrates_as_the_sigma_one_does_with_a_target_
         max_grad_norm=1.0, user_ids=user_ids, **plan)
     reference, _, reference_optimizer, _ = private_linear(**plan)
     sigma = optimizer.noise_multiplier
-    assert sigma == reference_optimizer.noise_multiplier and engine.budget == (3.0, 1e-5) and engine.planned_steps == 12
+    assert sigma == reference_optimizer.noise_multiplier and engine.planned_steps == 12
+    assert (engine.budget.epsilon, engine.budget.delta, engine.budget.calibrated_steps) == (3.0, 1e-5, 12)
     q = 6 / 30
     eps = lambda s: rdp.RdpAccountant(orders=RDP_ORDERS).compose(  # noqa: E731
         dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), 12)).get_epsilon(1e-5)

@@ -1,6 +1,6 @@
 """The privacy test matrix (issue 24): property-based tests over every path a step can take —
 {hooks, ghost} × {fp32, bf16 weights, bf16 autocast} × {one batch, ``micro_batches``, ``UserBatchMemoryManager``} ×
-{user_dpsgd, user_dpsgd_adaptive, group} × {one, two backward passes} × {one process, two gloo processes} — with
+{user_dpsgd, user_dpsgd_adaptive_clip, group} × {one, two backward passes} × {one process, two gloo processes} — with
 generated adversarial users (rows that nearly cancel, ×1e6 rows, NaN and inf rows, users with 1 and with m rows) and
 draws of any subset of the users, the empty draw included, checking
 
@@ -43,7 +43,7 @@ TOLERANCE = {"fp32": 1e-3, "bf16": 1e-2, "bf16-autocast": 1e-3}
 SUM_ROUNDING = {"fp32": 1e-6, "bf16": 2.0 ** -7, "bf16-autocast": 2.0 ** -7}
 KINDS = ["normal", "one_row", "m_rows", "cancelling", "huge", "tiny", "nan", "inf"]
 #: what the engine runs in one process only (refused across processes before training)
-ONE_PROCESS_ONLY = {"batching": "physical", "mechanism": "user_dpsgd_adaptive"}
+ONE_PROCESS_ONLY = {"batching": "physical", "mechanism": "user_dpsgd_adaptive_clip"}
 _RANKS: list = []  # the two processes, started by the first example that needs them
 
 
@@ -99,7 +99,7 @@ def scenarios(draw):
                 mode=draw(st.sampled_from(["hooks", "ghost"])),
                 dtype=draw(st.sampled_from(["fp32", "bf16", "bf16-autocast"])),
                 batching=draw(st.sampled_from(["one", "micro", "physical"])),
-                mechanism=draw(st.sampled_from(["user_dpsgd", "user_dpsgd_adaptive", "group"])),
+                mechanism=draw(st.sampled_from(["user_dpsgd", "user_dpsgd_adaptive_clip", "group"])),
                 passes=draw(st.sampled_from([1, 2])),
                 processes=draw(st.sampled_from([1, 2])),
                 # the other users of the draw (user 0 is drawn or not): none makes the draw without user 0 empty
@@ -169,7 +169,7 @@ def test_adaptive_count_is_the_same_on_every_path():
     for mode in ("hooks", "ghost"):
         for batching in ("one", "micro", "physical"):
             engines = []
-            clipped_sum(rows, mode=mode, batching=batching, mechanism="user_dpsgd_adaptive", clip=0.5, m=M,
+            clipped_sum(rows, mode=mode, batching=batching, mechanism="user_dpsgd_adaptive_clip", clip=0.5, m=M,
                         engine_out=engines)
             moves.add(round(math.log(engines[0].optimizer.max_grad_norm / 0.5), 6))
     assert len(moves) == 1, moves

@@ -5,6 +5,7 @@ element of the full gradient, the single-process ε, and set-ups the sharded pat
 
 import datetime
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -246,7 +247,20 @@ def _resume(rank, tmp):
     straight = run(4)
     run(2, save=os.path.join(tmp, "checkpoint"))
     resumed = run(2, load=os.path.join(tmp, "checkpoint"))
-    torch.save({"straight": straight, "resumed": resumed}, os.path.join(tmp, f"resume{rank}.pt"))
+    if rank == 0:
+        _as_written_before_one_layout(os.path.join(tmp, "checkpoint"), os.path.join(tmp, "legacy"))
+    dist.barrier()
+    legacy = run(2, load=os.path.join(tmp, "legacy"))
+    torch.save({"straight": straight, "resumed": resumed, "legacy": legacy}, os.path.join(tmp, f"resume{rank}.pt"))
+
+
+def _as_written_before_one_layout(folder, legacy):
+    """The engine's sharded checkpoint as it was written before checkpoints had one layout: the shards under
+    ``sharded/`` and, in ``privacy.pt``, Opacus's keys beside the caller's entries."""
+    shutil.copytree(os.path.join(folder, "sharded"), os.path.join(legacy, "sharded"))
+    state = torch.load(os.path.join(folder, "privacy_state.pt"), weights_only=True)
+    torch.save({"privacy_accountant_state_dict": state["accountant"], "trl_userdp_optimizer_state": state["optimizer"],
+                **state.get("entries", {})}, os.path.join(legacy, "privacy.pt"))
 
 
 def test_a_caller_generator_is_refused_and_a_check_failing_on_one_rank_stops_both(ranks):
@@ -260,12 +274,13 @@ def test_a_sharded_run_resumes_from_its_checkpoint_with_the_same_steps_and_epsil
     """Issue 28: each process saves its shards of the model and of AdamW's state, the main process the privacy state
     once; a fresh set-up on both processes loads them and continues: the same parameters as the run that never
     stopped (the noise keyed by step and rank continues, not replayed) and the same ε and history."""
-    assert ranks["checkpoint_files"] == ["privacy.pt", "sharded"]
+    assert ranks["checkpoint_files"] == ["privacy_state.pt", "sharded"]  # the trainers' layout (issue 43)
     for result in ranks["resume"]:
-        (straight, eps, history), (resumed, eps_resumed, history_resumed) = result["straight"], result["resumed"]
-        torch.testing.assert_close(resumed, straight, rtol=1e-6, atol=1e-7)
-        assert history_resumed == history and sum(n for *_, n in history) == 4
-        assert eps_resumed == eps
+        straight, eps, history = result["straight"]
+        for resumed, eps_resumed, history_resumed in (result["resumed"], result["legacy"]):  # the earlier layout too
+            torch.testing.assert_close(resumed, straight, rtol=1e-6, atol=1e-7)
+            assert history_resumed == history and sum(n for *_, n in history) == 4
+            assert eps_resumed == eps
 
 
 def _killed_worker(rank, world, tmp):
@@ -318,7 +333,7 @@ def test_a_killed_process_fails_the_other_instead_of_hanging(tmp_path):
 def test_a_checkpoint_loads_into_the_shards_only_if_its_weights_are_the_models(tmp_path):
     """The trainers' resume of a model sharded before them reads the full saved model into the shards: a tied model
     (the head saved once, as its embedding) loads exactly; a checkpoint of another model is refused, not half-loaded."""
-    from trl_userdp.trainers.mixin import _load_full_into_shards
+    from trl_userdp.checkpoints import load_full_into_shards
 
     from .tiny_models import tiny_llama_lm
 
@@ -330,10 +345,10 @@ def test_a_checkpoint_loads_into_the_shards_only_if_its_weights_are_the_models(t
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()
-        _load_full_into_shards(model, str(tmp_path / "checkpoint"))
+        load_full_into_shards(model, str(tmp_path / "checkpoint"))
         for name, value in saved.state_dict().items():
             torch.testing.assert_close(model.state_dict()[name].full_tensor(), value, rtol=0, atol=0, msg=name)
         with pytest.raises(ValueError, match="do not match this model's"):
-            _load_full_into_shards(shard_model(tiny_llama_lm(VOCAB, tie=False)), str(tmp_path / "checkpoint"))
+            load_full_into_shards(shard_model(tiny_llama_lm(VOCAB, tie=False)), str(tmp_path / "checkpoint"))
     finally:
         dist.destroy_process_group()

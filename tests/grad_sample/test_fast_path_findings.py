@@ -111,7 +111,7 @@ def test_adaptive_clipping_counts_every_physical_batch_of_the_draw():
     for mode in ("hooks", "ghost"):
         for batching in ("one", "physical"):
             engines = []
-            clipped_sum(rows, mode=mode, batching=batching, mechanism="user_dpsgd_adaptive", clip=1e6, engine_out=engines)
+            clipped_sum(rows, mode=mode, batching=batching, mechanism="user_dpsgd_adaptive_clip", clip=1e6, engine_out=engines)
             moves[mode, batching] = math.log(engines[0].optimizer.max_grad_norm / 1e6)
     assert len(set(moves.values())) == 1, moves
     # every user is within the clip of 1e6, so b̃ = (10 − 5 + noise)/10 + ½ ≈ 1: log C moves by about −η(1 − γ)

@@ -72,7 +72,7 @@ def test_a_nan_user_adds_nothing_in_the_ghost_path_either():
 
 
 def test_adaptive_clipping_runs_on_ghost_norms():
-    """user_dpsgd_adaptive: the clip trajectory and the parameters equal the materialised path's over several steps."""
+    """user_dpsgd_adaptive_clip: the clip trajectory and the parameters equal the materialised path's over several steps."""
     runs = []
     for mode in ("hooks", "ghost"):
         engine, model, optimizer, loader, _ = make_private(

@@ -186,7 +186,7 @@ def test_the_report_states_the_clip_and_the_accounting_is_user_wise_dp_sgds():
     report = engine.privacy_report(1e-5)
     independent = rdp.RdpAccountant(orders=RDP_ORDERS).compose(
         dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(1.0, dpa.GaussianDpEvent(2.0)), 4)).get_epsilon(1e-5)
-    assert report.mechanism == "user_dpsgd_adaptive" and report.epsilon == pytest.approx(independent, rel=1e-9)
+    assert report.mechanism == "user_dpsgd_adaptive_clip" and report.epsilon == pytest.approx(independent, rel=1e-9)
     assert report.per_user_max_grad_norm == optimizer.max_grad_norm and report.extra["initial_per_user_max_grad_norm"] == 1.0
     assert report.extra["gradient_noise_multiplier"] == pytest.approx(gradient_noise_multiplier(2.0, 3.0))
 
@@ -199,7 +199,7 @@ def test_the_default_count_noise_keeps_the_gradient_noise_within_sixteen_percent
     _, optimizer, _ = engine.make_private_user_level(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(TensorDataset(x, y)),
         max_grad_norm=1.0, noise_multiplier=2.0, max_samples_per_user=ROWS, users_per_batch=4.0, user_ids=users,
-        mechanism="user_dpsgd_adaptive")
+        mechanism="user_dpsgd_adaptive_clip")
     assert optimizer.count_noise_multiplier == 2.0 == max(4.0 / 20, 2.0)
     assert optimizer.gradient_noise_multiplier == pytest.approx(2.0 / math.sqrt(0.75))
 

@@ -38,8 +38,8 @@ def relabelled(monkeypatch):
 
 
 def test_the_built_in_mechanisms_are_registered_with_their_kinds():
-    assert mechanism_names() == ("none", "randomized_response", "group", "user_dpsgd", "user_dpsgd_adaptive", "aup")
-    assert mechanism_names("gradient") == ("group", "user_dpsgd", "user_dpsgd_adaptive", "aup")
+    assert mechanism_names() == ("none", "randomized_response", "group", "user_dpsgd", "user_dpsgd_adaptive_clip", "aup")
+    assert mechanism_names("gradient") == ("group", "user_dpsgd", "user_dpsgd_adaptive_clip", "aup")
     assert mechanism_names("labels") == ("randomized_response",)
     with pytest.raises(ValueError, match=r"privacy_mechanism must be one of \('none'"):
         get_mechanism("laplace")
@@ -119,3 +119,14 @@ def test_a_registered_mechanism_trains_through_the_trainer_and_is_accounted_by_i
     assert report.epsilon == pytest.approx(PoissonGaussian().epsilon(accountant.history, report.delta), rel=1e-12)
     with pytest.raises(ValueError, match="privacy_mechanism must be one of"):
         UserDPRewardConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, privacy_mechanism="not_registered")
+
+
+def test_the_adaptive_clip_mechanisms_old_name_is_still_accepted_with_a_warning():
+    """Issue 43: one name per concept. ``user_dpsgd_adaptive`` (adaptive clipping) read like AUP-RLHF's
+    ``AdaptiveUserPrivacyEngine``; it is now ``user_dpsgd_adaptive_clip``, and the old name still sets it up."""
+    with pytest.warns(FutureWarning, match="'user_dpsgd_adaptive' is now 'user_dpsgd_adaptive_clip'"):
+        assert get_mechanism("user_dpsgd_adaptive") is get_mechanism("user_dpsgd_adaptive_clip")
+    with pytest.warns(FutureWarning, match="is now 'user_dpsgd_adaptive_clip'"):
+        config = UserDPRewardConfig(output_dir="unused", privacy_mechanism="user_dpsgd_adaptive", target_epsilon=3.0,
+                                    accountant="rdp", report_to="none")
+    assert config.privacy_mechanism == "user_dpsgd_adaptive_clip"

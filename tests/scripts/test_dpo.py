@@ -15,8 +15,7 @@ def test_the_tiny_models_tokenizer_is_built_from_public_text_only(tmp_path):
     """Every file saved beside a private model is covered by its report or built from public data: `dpo --model_name_or_path
     tiny` used to train its tokenizer on the private texts and save it, so one user's words showed in the vocabulary
     (issue 17). It is now the public corpus's tokenizer, whatever the users wrote."""
-    from trl_userdp.experiments.imdb import public_corpus
-    from trl_userdp.experiments.pipeline import small_causal_lm
+    from trl_userdp import small_causal_lm
 
     secret = "zqxvjsecretword"
     rows = [{"prompt": "Review:", "chosen": f" good {secret if u == 7 else 'film'} fine", "rejected": " bad movie",
@@ -26,7 +25,7 @@ def test_the_tiny_models_tokenizer_is_built_from_public_text_only(tmp_path):
     assert main(["dpo", "--dataset", str(path), "--model_name_or_path", "tiny", "--output_dir", str(out),
                  "--max_steps", "1", "--per_device_train_batch_size", "4"]) == 0
     saved = (out / "tokenizer.json").read_text()
-    _, public = small_causal_lm(public_corpus())
+    _, public = small_causal_lm()
     public.save_pretrained(tmp_path / "public")
     assert saved == (tmp_path / "public" / "tokenizer.json").read_text()
     assert secret[:6] not in saved and PrivacyReport.load(str(out)).epsilon <= 8.0

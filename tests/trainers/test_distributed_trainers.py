@@ -4,6 +4,7 @@ equals the single-process run on the same users; with noise there is one draw (r
 the single-process ε; the replicas stay identical; a resumed run continues ε; a failing check on one rank stops both."""
 
 import os
+import shutil
 import socket
 
 import pytest
@@ -52,6 +53,14 @@ def _worker(rank: int, world: int, port: int, jobs: list):
     for out, kind, settings, fail_on_rank in jobs:
         if rank == fail_on_rank:
             _inject_a_failing_check()
+        if "legacy_of" in settings:  # resume from a copy of a checkpoint in the layout written before issue 43
+            settings = dict(settings)
+            checkpoint, settings["resume_from_checkpoint"] = settings.pop("legacy_of"), os.path.join(out, "legacy")
+            if rank == 0:
+                shutil.copytree(checkpoint, settings["resume_from_checkpoint"])
+                os.rename(os.path.join(settings["resume_from_checkpoint"], "sharded"),
+                          os.path.join(settings["resume_from_checkpoint"], "optimizer_sharded"))
+            torch.distributed.barrier()
         try:
             trainer = _run(kind, out, **settings)
             # what this process sees when save_model returns: the main process's last file must be written already
@@ -112,7 +121,8 @@ def runs(request, tmp_path_factory):
             ("sharded_noise", dict(**ONE_NOISY_STEP, **SHARDED), -1),
             ("sharded_ckpt", dict(**SHARDED_NOISY, save_strategy="steps", save_steps=2), -1),
             ("sharded_resumed", dict(**SHARDED_NOISY, resume_from_checkpoint=sharded_checkpoint), -1),
-            ("refuse", dict(steps=1, privacy_mechanism="user_dpsgd_adaptive"), -1), ("fail", dict(steps=2, **EXACT), 1)]
+            ("sharded_resumed_legacy", dict(**SHARDED_NOISY, legacy_of=sharded_checkpoint), -1),
+            ("refuse", dict(steps=1, privacy_mechanism="user_dpsgd_adaptive_clip"), -1), ("fail", dict(steps=2, **EXACT), 1)]
     return kind, _two_processes(root, kind, jobs)
 
 
@@ -183,13 +193,14 @@ def test_a_sharded_run_resumes_from_its_checkpoint_exactly(runs):
     continues by step and rank), with its ε."""
     _, runs = runs
     straight_out, straight = runs["sharded_ckpt"]
-    resumed_out, resumed = runs["sharded_resumed"]
-    assert all("error" not in r for r in straight + resumed), (straight, resumed)
-    assert "optimizer_sharded" in os.listdir(os.path.join(straight_out, "checkpoint-2"))
-    assert resumed[0]["history"] == straight[0]["history"] and sum(n for *_, n in straight[0]["history"]) == 4
-    assert PrivacyReport.load(resumed_out).epsilon == PrivacyReport.load(straight_out).epsilon
-    for name, value in straight[0]["params"].items():
-        torch.testing.assert_close(resumed[0]["params"][name], value, atol=1e-7, rtol=1e-6, msg=name)
+    assert {"sharded", "privacy_state.pt"} <= set(os.listdir(os.path.join(straight_out, "checkpoint-2")))
+    for job in ("sharded_resumed", "sharded_resumed_legacy"):  # and from the layout written before issue 43
+        resumed_out, resumed = runs[job]
+        assert all("error" not in r for r in straight + resumed), (straight, resumed)
+        assert resumed[0]["history"] == straight[0]["history"] and sum(n for *_, n in straight[0]["history"]) == 4
+        assert PrivacyReport.load(resumed_out).epsilon == PrivacyReport.load(straight_out).epsilon
+        for name, value in straight[0]["params"].items():
+            torch.testing.assert_close(resumed[0]["params"][name], value, atol=1e-7, rtol=1e-6, msg=f"{job}: {name}")
 
 
 @pytest.mark.parametrize("job", ["noise", "sharded_noise"])
@@ -221,7 +232,7 @@ def test_single_process_mechanisms_refuse_several_processes_before_training(runs
     _, runs = runs
     out, ranks = runs["refuse"]
     for r in ranks:
-        assert "'user_dpsgd_adaptive' runs in one process" in r["error"]
+        assert "'user_dpsgd_adaptive_clip' runs in one process" in r["error"]
     assert not os.path.isfile(os.path.join(out, "privacy_report.json"))
 
 

@@ -14,7 +14,7 @@ from .scripts import dpo_script, reward_script
 MECHANISMS = {
     "user_dpsgd": {"accountant": "rdp"},  # RDP calibrates faster; PLD runs in test_drop_in
     "group": {"accountant": "rdp"},
-    "user_dpsgd_adaptive": {"accountant": "rdp", "per_user_max_grad_norm": 5.0, "target_unclipped_quantile": 0.5},
+    "user_dpsgd_adaptive_clip": {"accountant": "rdp", "per_user_max_grad_norm": 5.0, "target_unclipped_quantile": 0.5},
     # AUP-RLHF needs large steps or it halts (docs/benchmarks.md): every one of 40 users in every step
     # seeded: AboveThreshold's Laplace draws from the OS halt a few runs in a hundred, which is not under test here
     "aup": {"concentration_radius": 5.0, "users_per_batch": 40.0, "max_users_per_batch": 40, "privacy_seed": 11,
@@ -53,7 +53,7 @@ def test_mechanism_trains_three_steps(tmp_path, mechanism, script, trainer_cls, 
     else:
         assert 0 < report.epsilon <= 8.0 and report.steps_taken >= 1
         assert trainer.privacy_engine.accountant.steps_taken == report.steps_taken
-        if mechanism == "user_dpsgd_adaptive":  # the clip moved from its start, and the report says where it is
+        if mechanism == "user_dpsgd_adaptive_clip":  # the clip moved from its start, and the report says where it is
             assert report.extra["initial_per_user_max_grad_norm"] == 5.0 and report.per_user_max_grad_norm != 5.0
         if mechanism == "aup":
             assert report.concentration_radius == 5.0 and report.extra["svt_queries"] == 3

@@ -1,6 +1,6 @@
 """The privacy test matrix's trainer axis (issue 24; the engine's axes are in tests/test_privacy_matrix.py): one step of
 the reward or DPO trainer, {hooks, ghost} × {fp32, bf16 autocast} × ``gradient_accumulation_steps`` {1, 3} ×
-{user_dpsgd, user_dpsgd_adaptive, group}, with a generated adversarial user written as text (one pair, m pairs, the
+{user_dpsgd, user_dpsgd_adaptive_clip, group}, with a generated adversarial user written as text (one pair, m pairs, the
 same pair m times, the same pair with both label orders so that its gradients nearly cancel, long texts). Every user is
 drawn (q = 1), σ = 0 and the optimizer is SGD with learning rate 1, so the update is the released mean and ``ñ`` times
 it the released sum; user 0's influence is the difference between the sums with and without it, which must stay within
@@ -63,7 +63,7 @@ def scenarios(draw):
                 mode=draw(st.sampled_from(["hooks", "ghost"])),
                 dtype=draw(st.sampled_from(["fp32", "bf16-autocast"])),
                 gradient_accumulation_steps=draw(st.sampled_from([1, 3])),
-                mechanism=draw(st.sampled_from(["user_dpsgd", "user_dpsgd_adaptive", "group"])),
+                mechanism=draw(st.sampled_from(["user_dpsgd", "user_dpsgd_adaptive_clip", "group"])),
                 others=draw(st.integers(1, 3)),
                 seed=draw(st.integers(0, 2 ** 16)))
 

@@ -10,6 +10,7 @@ from .analysis import (
     item_level_target,
     make_accountant,
 )
+from .budget import PrivacyBudget
 from .events import (
     ELSGaussian,
     GroupPrivacyGaussian,
@@ -45,6 +46,7 @@ __all__ = [
     "ELSGaussian",
     "GroupPrivacyGaussian",
     "PoissonGaussian",
+    "PrivacyBudget",
     "StepEvent",
     "TruncatedPoissonGaussian",
     "GroupPrivacyAccountant",

@@ -9,6 +9,8 @@ import math
 import os
 from typing import Any, Dict, List, Optional
 
+from ..utils.plots import save_figure
+
 REPORT_FILENAME = "audit_report.json"
 
 
@@ -138,6 +140,6 @@ class AuditReport:
         ax.set_title(title or f"ε claimed {self.epsilon_claimed:.3g}, audited ≥ {self.epsilon_lower:.3g} "
                               f"({self.confidence:.0%})", fontsize=10)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, dpi=120)
         plt.close(fig)
         return path

@@ -113,7 +113,7 @@ def audit_gradient_canaries(
         users_per_batch: ñ (default: every included canary user at every step, q = 1, the strongest audit).
         max_grad_norm: C.
         rows_per_user: the records of each canary user (all of them one-hot in its coordinate).
-        mechanism: a clipping mechanism (name or object): ``"user_dpsgd"``, ``"group"``, ``"user_dpsgd_adaptive"``.
+        mechanism: a clipping mechanism (name or object): ``"user_dpsgd"``, ``"group"``, ``"user_dpsgd_adaptive_clip"``.
         grad_sample_mode: ``"hooks"``, ``"functorch"`` or ``"ghost"``.
         dtype: the parameters' and inputs' dtype (``torch.bfloat16`` audits the bf16 path).
         device: where the model, its rows and the noise live (``"cuda"`` audits the GPU path).

@@ -11,6 +11,7 @@ from .base import (
     NoPrivacy,
     WalkthroughColumn,
     get_mechanism,
+    gradient_mechanism,
     mechanism_names,
     register_mechanism,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "UserRandomizedResponse",
     "WalkthroughColumn",
     "get_mechanism",
+    "gradient_mechanism",
     "mechanism_names",
     "register_mechanism",
 ]

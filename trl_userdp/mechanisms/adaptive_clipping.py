@@ -80,7 +80,7 @@ class AdaptiveClipUserDPSGD(UserDPSGD):
         ValueError: γ outside (0, 1), or a non-positive η or σ_b.
     """
 
-    name = "user_dpsgd_adaptive"
+    name = "user_dpsgd_adaptive_clip"
     summary = "user-wise DP-SGD whose clip follows a private quantile of the users' norms (Andrew et al. 2021)"
     clipping = "adaptive"
     walkthrough_notes = ("adaptive σ_Δ: the gradient noise of user-wise DP-SGD with an adaptive clip at the PLD σ "

@@ -293,10 +293,10 @@ class AUPRLHF(GradientMechanism):
                              "holds AUP-RLHF's secret AboveThreshold threshold: use hub_strategy='every_save' or 'end'.")
 
     def check_setup(self, *, max_grad_norm: Optional[float], noise_multiplier: Optional[float], world_size: int,
-                    grad_sample_mode: str) -> None:
+                    grad_sample_mode: str, sharded: bool = False) -> None:
         """As every gradient mechanism's, but τ takes the place of C (``max_grad_norm`` is not used)."""
         super().check_setup(max_grad_norm=self.concentration_radius, noise_multiplier=noise_multiplier,
-                            world_size=world_size, grad_sample_mode=grad_sample_mode)
+                            world_size=world_size, grad_sample_mode=grad_sample_mode, sharded=sharded)
 
     def users_cap(self, users_per_batch: float) -> int:
         """ñ_max, the truncation of the sampler.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, ClassVar, Dict, Optional, Tuple, Type
 
 from ..accountants.events import StepEvent
@@ -24,6 +25,8 @@ from ..validators import check_positive
 KINDS = ("gradient", "labels", "none")
 #: name -> mechanism class, in registration order (filled by :func:`register_mechanism`)
 MECHANISM_REGISTRY: Dict[str, Type["Mechanism"]] = {}
+#: earlier names still accepted, with a FutureWarning: old name -> registered name
+RENAMED_MECHANISMS = {"user_dpsgd_adaptive": "user_dpsgd_adaptive_clip"}
 
 
 def register_mechanism(cls: Type["Mechanism"]) -> Type["Mechanism"]:
@@ -71,9 +74,38 @@ def get_mechanism(name: str, field: str = "privacy_mechanism") -> Type["Mechanis
     Raises:
         ValueError: no mechanism is registered under ``name``.
     """
+    if name in RENAMED_MECHANISMS:
+        warnings.warn(f"{field}={name!r} is now {RENAMED_MECHANISMS[name]!r} (adaptive clipping, not AUP-RLHF's "
+                      "AdaptiveUserPrivacyEngine); the old name will be removed.", FutureWarning, stacklevel=2)
+        name = RENAMED_MECHANISMS[name]
     if name not in MECHANISM_REGISTRY:
         raise ValueError(f"{field} must be one of {mechanism_names()}, got {name!r}.")
     return MECHANISM_REGISTRY[name]
+
+
+def gradient_mechanism(mechanism: Any) -> "GradientMechanism":
+    """The gradient mechanism object for a registered name (built with its defaults) or an object.
+
+    Args:
+        mechanism: a registered name or a :class:`Mechanism` object.
+
+    Returns:
+        The :class:`GradientMechanism`.
+
+    Raises:
+        ValueError: an unknown name, a mechanism that needs options, or one that is not a gradient mechanism.
+    """
+    if isinstance(mechanism, str):
+        cls = get_mechanism(mechanism, "mechanism")
+        try:
+            mechanism = cls()
+        except TypeError:
+            raise ValueError(f"mechanism={mechanism!r} needs its options: pass a {cls.__name__}(...) object "
+                             "(docs/engine.md).") from None
+    if not isinstance(mechanism, GradientMechanism):
+        raise ValueError(f"make_private_user_level sets up gradient mechanisms; {mechanism.name!r} is a "
+                         f"{mechanism.kind!r} mechanism.")
+    return mechanism
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +235,7 @@ class GradientMechanism(Mechanism):
             raise ValueError(f"privacy_mechanism={cls.name!r} runs in one process: {cls.single_process_reason}")
 
     def check_setup(self, *, max_grad_norm: Optional[float], noise_multiplier: Optional[float], world_size: int,
-                    grad_sample_mode: str) -> None:
+                    grad_sample_mode: str, sharded: bool = False) -> None:
         """Refuse an engine set-up this mechanism cannot run (before anything is built).
 
         Args:
@@ -211,11 +243,19 @@ class GradientMechanism(Mechanism):
             noise_multiplier: a fixed σ, or None (calibrated to the target).
             world_size: the number of processes.
             grad_sample_mode: ``"hooks"``, ``"functorch"`` or ``"ghost"``.
+            sharded: the model is sharded by FSDP2.
 
         Raises:
             ValueError: with the reason.
         """
         self.check_world_size(world_size)
+        if sharded and grad_sample_mode != "ghost":
+            raise ValueError("An FSDP2-sharded model needs grad_sample_mode='ghost': per-user ghost clipping needs no "
+                             "per-user gradient, which no process could hold for a sharded model.")
+        if sharded and self.clipping != "flat":
+            raise ValueError(f"privacy_mechanism={self.name!r} does not run on an FSDP2-sharded model: its "
+                             f"{self.clipping!r} clipping is built for one process or data parallelism; use "
+                             "'user_dpsgd' or 'group', or data parallelism without sharding.")
         if grad_sample_mode == "ghost" and self.ghost_reason is not None:
             raise ValueError(self.ghost_reason)
         if noise_multiplier is not None and not self.accepts_noise_multiplier:

@@ -83,10 +83,9 @@ def _small_reward_model(seed: int):
     """The ``tiny`` Llama of ``dpo`` as a one-output sequence classifier, with its public tokenizer."""
     from transformers import LlamaForSequenceClassification
 
-    from ..experiments.imdb import public_corpus
-    from ..experiments.pipeline import small_causal_lm
+    from ..models import small_causal_lm
 
-    policy, tokenizer = small_causal_lm(public_corpus(), seed=seed)
+    policy, tokenizer = small_causal_lm(seed=seed)
     config = policy.config
     config.num_labels = 1
     return LlamaForSequenceClassification(config), tokenizer
@@ -118,13 +117,12 @@ def _blackbox(script_args: UserDataArguments, training_args, audit_args: AuditAr
         raise ValueError("--trainer dpo audits datasets whose prompts are strings (the canary pairs are written as "
                          "text); this dataset's are not.")
     if dpo:
-        from ..experiments.imdb import public_corpus
-        from ..experiments.pipeline import small_causal_lm
+        from ..models import small_causal_lm
         from ..trainers import UserDPDPOTrainer
 
         training_args = _dpo_config(training_args)
         training_args.beta = audit_args.beta
-        model, tokenizer = small_causal_lm(public_corpus(), seed=training_args.seed)
+        model, tokenizer = small_causal_lm(seed=training_args.seed)
         reference = copy.deepcopy(model).eval()
     else:
         from ..trainers import UserDPRewardTrainer

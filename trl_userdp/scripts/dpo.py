@@ -24,7 +24,7 @@ HELP = "Train a policy with user-level private DPO (UserDPDPOTrainer)."
 #: parser defaults (a --config YAML and the command line win over them)
 DEFAULTS = {"output_dir": "runs/dpo", "model_name_or_path": "tiny"}
 #: how the model card names the ``tiny`` base model (TRL's card links hub ids only)
-TINY_CARD = ("trl_userdp's `tiny` Llama (`trl_userdp.experiments.pipeline.small_causal_lm`), initialised at "
+TINY_CARD = ("trl_userdp's `tiny` Llama (`trl_userdp.small_causal_lm`), initialised at "
              "random, with a tokenizer trained on public text only")
 #: a minimal chat template for the ``tiny`` model (public; its tokenizer has none)
 TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}"
@@ -88,11 +88,10 @@ def main(script_args: UserDataArguments, training_args, model_args: PolicyModelC
         check_model_kind(model_args.model_name_or_path, model_args.model_revision, "causal-lm", "--model_name_or_path")
     train, eval_dataset = load_user_data(script_args, training_args, for_dpo=True)
     if tiny:
-        from ..experiments.imdb import public_corpus  # lazy: the experiments load datasets
-        from ..experiments.pipeline import small_causal_lm
+        from ..models import small_causal_lm
 
         # the tokenizer is saved beside the model and no report covers it: trained on public text, not the users'
-        model, tokenizer = small_causal_lm(public_corpus(), seed=training_args.seed)
+        model, tokenizer = small_causal_lm(seed=training_args.seed)
     else:
         tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)

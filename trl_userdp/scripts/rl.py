@@ -203,8 +203,7 @@ def online_setup(script_args: ScriptArguments, training_args, model_args: ModelC
         if user_column is not None:
             raise ValueError("grpo trains on the users' own prompts: pass --dataset_name, a file with a 'prompt' and "
                              f"a {user_column!r} column.")
-        from ..experiments.imdb import load_imdb_reviews  # lazy: the experiments load datasets
-        from ..experiments.pipeline import snippet
+        from ..data.imdb import load_imdb_reviews, snippet  # lazy: the packaged reviews load datasets
 
         texts, _ = load_imdb_reviews()
         rng = np.random.default_rng(training_args.seed)

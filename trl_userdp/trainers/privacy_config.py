@@ -37,7 +37,7 @@ class UserDPArguments:
 
     ``privacy_mechanism`` names a registered mechanism (:mod:`trl_userdp.mechanisms`): ``"user_dpsgd"`` (clip
     each user's averaged gradient, Gaussian noise), ``"aup"`` (AUP-RLHF; needs ``concentration_radius``),
-    ``"group"`` (item-level DP-SGD with group-privacy accounting), ``"user_dpsgd_adaptive"`` (user-wise DP-SGD whose
+    ``"group"`` (item-level DP-SGD with group-privacy accounting), ``"user_dpsgd_adaptive_clip"`` (user-wise DP-SGD whose
     clip, starting at ``per_user_max_grad_norm``, follows a private quantile of the users' norms),
     ``"randomized_response"`` (labels privatized
     once, then the de-biased loss: pure ε, labels only) or ``"none"`` (plain TRL training, for baselines).
@@ -75,11 +75,11 @@ class UserDPArguments:
     )
     svt_fraction: float = dataclasses.field(default=0.5, metadata={"help": "Share of ε for AUP's AboveThreshold."})
     target_unclipped_quantile: float = dataclasses.field(
-        default=0.5, metadata={"help": "user_dpsgd_adaptive: fraction of users the clip should cover (γ)."})
+        default=0.5, metadata={"help": "user_dpsgd_adaptive_clip: fraction of users the clip should cover (γ)."})
     clip_learning_rate: float = dataclasses.field(
-        default=0.2, metadata={"help": "user_dpsgd_adaptive: step of the clip's geometric update (η)."})
+        default=0.2, metadata={"help": "user_dpsgd_adaptive_clip: step of the clip's geometric update (η)."})
     count_noise_multiplier: Optional[float] = dataclasses.field(
-        default=None, metadata={"help": "user_dpsgd_adaptive: noise std σ_b on the count of users within the clip "
+        default=None, metadata={"help": "user_dpsgd_adaptive_clip: noise std σ_b on the count of users within the clip "
                                         "(default: max(users_per_batch / 20, σ))."})
     grad_sample_mode: str = dataclasses.field(
         default="hooks",
@@ -176,6 +176,7 @@ class UserDPArguments:
 
     def _validate_privacy_fields(self) -> None:
         mechanism = get_mechanism(self.privacy_mechanism)
+        self.privacy_mechanism = mechanism.name  # a renamed mechanism's name, once
         if mechanism.kind == "none":
             return
         check_max_samples_per_user(self.max_samples_per_user)

@@ -12,7 +12,7 @@ from trl_userdp.experiments.linear import (
     theorem4_lr,
     theorem4_tau,
     user_dpsgd,
-    user_dpsgd_adaptive,
+    user_dpsgd_adaptive_clip,
     user_gradients,
 )
 
@@ -46,7 +46,7 @@ def test_adaptive_clipping_recovers_from_a_loose_initial_clip():
     data = generate_btl_data(n_users=400, samples_per_user=5, d=3, seed=1)
     common = dict(users_per_batch=100, steps=100, lr=0.5, B=1.0)
     fixed = user_dpsgd(data, 3.0, 1e-5, max_grad_norm=100.0, rng=np.random.default_rng(0), **common).theta
-    adaptive = user_dpsgd_adaptive(data, 3.0, 1e-5, initial_clip=100.0, clip_learning_rate=1.0,
+    adaptive = user_dpsgd_adaptive_clip(data, 3.0, 1e-5, initial_clip=100.0, clip_learning_rate=1.0,
                                    rng=np.random.default_rng(0), **common).theta
     error = lambda theta: np.linalg.norm(theta - data.theta_star)  # noqa: E731
     assert error(adaptive) < 0.5 * np.linalg.norm(data.theta_star) < error(fixed)

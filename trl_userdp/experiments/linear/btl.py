@@ -85,7 +85,7 @@ def generate_btl_data(
     B: float = 1.0,
     L: float = 1.0,
     theta_star: Optional[np.ndarray] = None,
-    label_noise: float = 0.0,
+    max_flip_rate: float = 0.0,
     seed: int = 0,
 ) -> BTLData:
     """``n_users × samples_per_user`` comparisons of the linear BTL model.
@@ -97,7 +97,7 @@ def generate_btl_data(
         B: The norm of θ* when it is drawn, and the radius of Θ_B.
         L: The bound on ‖φ‖: φ ~ N(0, I_d/d) clipped to norm L (so ‖φ‖ ≤ L holds exactly).
         theta_star: θ* [d]; default a draw of :func:`sample_theta_star` with norm B.
-        label_noise: If > 0, each user gets a flip rate ``ρ_u ~ Uniform(0, label_noise)`` on top of the BTL
+        max_flip_rate: If > 0, each user gets a flip rate ``ρ_u ~ Uniform(0, max_flip_rate)`` on top of the BTL
             draw (heterogeneous annotators).
         seed: The seed of the draws.
 
@@ -105,10 +105,10 @@ def generate_btl_data(
         The data, rows grouped by user.
 
     Raises:
-        ValueError: If ``label_noise`` is not in [0, 0.5).
+        ValueError: If ``max_flip_rate`` is not in [0, 0.5).
     """
-    if not 0 <= label_noise < 0.5:
-        raise ValueError(f"label_noise must lie in [0, 0.5), got {label_noise}.")
+    if not 0 <= max_flip_rate < 0.5:
+        raise ValueError(f"max_flip_rate must lie in [0, 0.5), got {max_flip_rate}.")
     rng = np.random.default_rng(seed)
     if theta_star is None:
         theta_star = sample_theta_star(d, B, rng)
@@ -122,7 +122,7 @@ def generate_btl_data(
     x = phi() - phi()
     y = (rng.random(n) < 1 / (1 + np.exp(-x @ theta_star))).astype(np.int64)
     users = np.repeat(np.arange(n_users), samples_per_user)
-    if label_noise > 0:
-        flip = rng.random(n) < rng.uniform(0, label_noise, n_users)[users]
+    if max_flip_rate > 0:
+        flip = rng.random(n) < rng.uniform(0, max_flip_rate, n_users)[users]
         y = np.where(flip, 1 - y, y)
     return BTLData(x=x, y=y, users=users, theta_star=theta_star, L=L, B=B)

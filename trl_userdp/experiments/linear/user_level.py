@@ -173,7 +173,7 @@ def user_dpsgd(
                             clip=max_grad_norm, rng=rng, B=B, relation=relation, tail_average=tail_average)
 
 
-def user_dpsgd_adaptive(
+def user_dpsgd_adaptive_clip(
     data: BTLData, epsilon: Optional[float], delta: float, *, users_per_batch: float, steps: int,
     lr: Union[float, Callable[[int], float]], initial_clip: float, rng: np.random.Generator, B: float,
     target_quantile: float = 0.5, clip_learning_rate: float = 0.2, count_noise_multiplier: Optional[float] = None,

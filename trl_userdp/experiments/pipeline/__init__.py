@@ -8,9 +8,7 @@ tests), :mod:`.reward` (reward models, AUP-RLHF's public τ), :mod:`.data` (snip
 """
 
 from .arguments import DEFAULT_MECHANISMS, PipelineArguments
-from .data import imdb_preference_dataset, snippet
-from .policy import small_causal_lm
+from .data import imdb_preference_dataset
 from .run import run_pipeline
 
-__all__ = ["DEFAULT_MECHANISMS", "PipelineArguments", "imdb_preference_dataset", "run_pipeline", "small_causal_lm",
-           "snippet"]
+__all__ = ["DEFAULT_MECHANISMS", "PipelineArguments", "imdb_preference_dataset", "run_pipeline"]

@@ -12,7 +12,7 @@ from ...validators import check_delta, check_epsilon, check_max_samples_per_user
 SFT_SETTINGS_FILE = "pipeline_sft_settings.json"
 
 #: the mechanisms of the published table (docs/pipeline.md); ``--mechanisms`` takes any registered one
-DEFAULT_MECHANISMS = ("none", "randomized_response", "group", "user_dpsgd", "user_dpsgd_adaptive", "aup")
+DEFAULT_MECHANISMS = ("none", "randomized_response", "group", "user_dpsgd", "user_dpsgd_adaptive_clip", "aup")
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ class PipelineArguments:
                           "or 'add_or_remove' (without randomized_response).", "choices": ["replace", "add_or_remove"]})
     mechanisms: List[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_MECHANISMS),
                                               metadata={"help": f"Of {mechanism_names()}."})
-    max_noise: float = dataclasses.field(default=0.3, metadata={"help": "Users' flip rates are Uniform(0, max_noise)."})
+    max_flip_rate: float = dataclasses.field(default=0.3, metadata={"help": "Users' flip rates are Uniform(0, max_flip_rate)."})
     gold: str = dataclasses.field(default="tfidf", metadata={"help": "Gold reward: 'tfidf' or 'vader'."})
     snippet_words: int = dataclasses.field(default=24, metadata={"help": "Words per review snippet."})
     policy_model: Optional[str] = dataclasses.field(

