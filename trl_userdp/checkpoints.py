@@ -18,9 +18,10 @@ The engine's checkpoint of an unsharded model stays Opacus's one file, with the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
-from typing import Any, Dict, Optional
+from typing import IO, Any, BinaryIO, Dict, Optional, Union
 
 import torch
 
@@ -103,6 +104,87 @@ def read_privacy_state(folder: str, **torch_load_kwargs: Any) -> Dict[str, Any]:
         return {"accountant": entries.pop("privacy_accountant_state_dict"),
                 "optimizer": entries.pop(OPTIMIZER_STATE_KEY, {}), "entries": entries}
     raise ValueError(f"{folder} has no {PRIVACY_STATE_FILE}: resuming would reset the accountant.")
+
+
+def save_sharded(folder: str, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 accountant_state: Dict[str, Any], optimizer_state: Dict[str, Any], entries: Dict[str, Any]) -> None:
+    """The engine's checkpoint of a model sharded by FSDP2: every process writes its shards of the model and the
+    optimizer state, the main process the privacy state and the caller's entries, once; every process returns once the
+    folder is whole (call it on every process).
+
+    Args:
+        folder: the checkpoint folder.
+        module: the model sharded by FSDP2.
+        optimizer: its optimizer, or None.
+        accountant_state: the accountant's ``state_dict()``.
+        optimizer_state: the private optimizer's ``privacy_state_dict()``.
+        entries: the caller's other entries.
+    """
+    save_shards(folder, module, optimizer, with_model=True)
+    if distributed.rank() == 0:
+        save_privacy_state(folder, accountant_state, optimizer_state, entries)
+    if distributed.world_size() > 1:
+        torch.distributed.barrier()
+
+
+def privacy_state_of(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+    """The privacy state of the engine's one-file checkpoint (Opacus's format).
+
+    Args:
+        checkpoint: the loaded checkpoint.
+
+    Returns:
+        ``{"accountant": ..., "optimizer": ...}``.
+    """
+    return {"accountant": checkpoint["privacy_accountant_state_dict"],
+            "optimizer": checkpoint.get(OPTIMIZER_STATE_KEY, {})}
+
+
+def load_training_state(checkpoint: Dict[str, Any], module: torch.nn.Module, optimizer: Any = None,
+                        schedulers: Optional[Dict[str, Any]] = None, module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
+                        ) -> Dict[str, Any]:
+    """What Opacus's ``load_checkpoint`` loads from a one-file checkpoint besides the accountant: the module, the
+    optimizer and the schedulers (call it once the privacy state is checked and restored).
+
+    Args:
+        checkpoint: the loaded checkpoint (its optimizer and scheduler entries are popped).
+        module: the model to load into.
+        optimizer: the optimizer to load into, or None.
+        schedulers: the schedulers by their entry (``"noise_scheduler_state_dict"``: the noise scheduler), or None.
+        module_load_dict_kwargs: passed to ``module.load_state_dict``.
+
+    Returns:
+        The checkpoint's remaining entries (Opacus's behaviour).
+    """
+    module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
+    for target, key in ((optimizer, "optimizer_state_dict"), *((s, k) for k, s in (schedulers or {}).items())):
+        state = checkpoint.pop(key, {})
+        if target is not None and state:
+            target.load_state_dict(state)
+    return checkpoint
+
+
+def check_history(history: Any, noise_multiplier: float, sample_rate: float, source: str) -> None:
+    """Refuse a saved accountant whose steps were not all taken at this run's (σ, q).
+
+    Args:
+        history: the saved accountant's ``[(σ, q, steps), ...]``.
+        noise_multiplier: this run's σ.
+        sample_rate: this run's q.
+        source: names the checkpoint in the message.
+
+    Raises:
+        ValueError: a step at another (σ, q), with how to extend a run instead.
+    """
+    for sigma, q, n in history:
+        if not (math.isclose(sigma, noise_multiplier, rel_tol=1e-9) and math.isclose(q, sample_rate, rel_tol=1e-9)):
+            raise ValueError(
+                f"{source}: the saved accountant holds {n} steps at σ={sigma:.6g}, q={q:.6g}, but this run's settings "
+                f"give σ={noise_multiplier:.6g}, q={sample_rate:.6g}: refusing to resume. σ is calibrated to "
+                "target_epsilon over the whole plan, so a longer plan (more max_steps or epochs) recalibrates it; to "
+                f"extend a run, fix noise_multiplier={sigma!r} and raise target_epsilon to the total you accept "
+                "(training stops when it is spent). Otherwise the state belongs to another run or was edited."
+            )
 
 
 def save_shards(folder: str, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], *,
@@ -195,10 +277,103 @@ def torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
     return optimizer
 
 
-def barrier() -> None:
-    """Every process waits until the checkpoint is whole (nothing to wait for in one process)."""
-    if distributed.world_size() > 1:
-        torch.distributed.barrier()
+class EngineCheckpoints:
+    """The checkpoint methods of :class:`~trl_userdp.PrivacyEngine` (placed before Opacus's engine): Opacus's one file
+    for an unsharded model, this module's folder layout for one sharded by FSDP2, each read as data and its privacy
+    state checked against the run it resumes before anything is loaded."""
+
+    def save_checkpoint(self, *, path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                        checkpoint_dict: Optional[Dict[str, Any]] = None, **kwargs) -> None:
+        """Opacus's ``save_checkpoint``, plus the private optimizer's own state (AUP-RLHF's AboveThreshold: a secret
+        of the mechanism; keep such checkpoints private).
+
+        Args:
+            path: where to write (for a model sharded by FSDP2, a folder: each process writes its shards, the main
+                process the privacy state; call it on every process).
+            module: the model.
+            optimizer: the optimizer whose state to save.
+            checkpoint_dict: more entries to save.
+            **kwargs: Opacus's (schedulers, ``torch.save`` options).
+        """
+        entries = dict(checkpoint_dict or {})
+        optimizer_state = {} if self.optimizer is None else self.optimizer.privacy_state_dict()
+        if not distributed.is_sharded(module):
+            entries[OPTIMIZER_STATE_KEY] = optimizer_state
+            super().save_checkpoint(path=path, module=module, optimizer=optimizer, checkpoint_dict=entries, **kwargs)
+        elif kwargs:
+            raise ValueError(f"{sorted(kwargs)}: not saved for a sharded model (its checkpoint is a folder of shards).")
+        else:
+            save_sharded(path, module, optimizer, self.accountant.state_dict(), optimizer_state, entries)
+
+    def load_checkpoint(
+        self,
+        *,
+        path: Union[str, os.PathLike, BinaryIO, IO[bytes]],
+        module: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
+        module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
+        torch_load_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Dict:
+        """Opacus's ``load_checkpoint`` for a run set up by ``make_private_user_level``, but a checkpoint is data,
+        never code (``weights_only=True``; Opacus's runs whatever a tampered pickle holds), and its privacy state is
+        checked against this run (:meth:`restore_privacy_state`) before anything is loaded.
+
+        Args:
+            path: the checkpoint written by :meth:`save_checkpoint` (a folder for a sharded model: call it on every
+                process).
+            module: the model to load into.
+            optimizer: the optimizer to load into.
+            noise_scheduler: as Opacus's.
+            grad_clip_scheduler: as Opacus's.
+            module_load_dict_kwargs: passed to ``module.load_state_dict``.
+            torch_load_kwargs: passed to ``torch.load`` (``weights_only`` stays True).
+
+        Returns:
+            The checkpoint's remaining entries (Opacus's behaviour).
+
+        Raises:
+            ValueError: a privacy state that does not belong to this run.
+        """
+        sharded = distributed.is_sharded(module)  # a folder in this module's layout, else Opacus's one file
+        checkpoint = None if sharded else load_plain(path, **(torch_load_kwargs or {}))
+        state = (read_privacy_state(path, **(torch_load_kwargs or {})) if sharded
+                 else privacy_state_of(checkpoint))
+        self.restore_privacy_state(state["accountant"], state["optimizer"], source=str(path))  # checked first
+        if sharded:
+            load_shards(path, module, optimizer, with_model=True)
+            return state["entries"]
+        return load_training_state(
+            checkpoint, module, optimizer, {"noise_scheduler_state_dict": noise_scheduler,
+                                            "grad_clip_scheduler_state_dict": grad_clip_scheduler},
+            module_load_dict_kwargs)
+
+    def restore_privacy_state(self, accountant_state: Dict[str, Any], optimizer_state: Dict[str, Any], *,
+                              source: str = "checkpoint") -> None:
+        """Resume the privacy of a checkpoint in this run (after ``make_private_user_level``): its accountant must
+        be this run's configuration with every step at this run's (σ, q), and the optimizer's own state must agree
+        with it (AUP-RLHF: one AboveThreshold query per accounted step); otherwise nothing is restored. Then the
+        sampling continues at the accounted step (with a seed: no replayed draws).
+
+        Args:
+            accountant_state: the accountant's ``state_dict()``.
+            optimizer_state: the private optimizer's ``privacy_state_dict()``.
+            source: names the checkpoint in the messages.
+
+        Raises:
+            ValueError: no run was set up, or the state belongs to another run (other σ or q, another event) or
+                was edited.
+        """
+        if self.optimizer is None:
+            raise ValueError("Call make_private_user_level first: a checkpoint's privacy state is checked against the "
+                             "run it resumes.")
+        restored = self.accountant.spawn()
+        restored.load_state_dict(accountant_state)
+        check_history(restored.history, self.optimizer.noise_multiplier, self.data_loader.sample_rate, source)
+        self.optimizer.load_privacy_state_dict(optimizer_state, accounted_steps=restored.steps_taken, source=source)
+        self.accountant.history = restored.history
+        self.data_loader.user_sampler.position = self.steps_accounted()
 
 
 def _sharded_state(module: torch.nn.Module, optimizer: Any, with_model: bool) -> Dict[str, Any]:

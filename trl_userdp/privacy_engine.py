@@ -10,10 +10,8 @@ Every privacy number comes from dp-accounting through the accountants of :mod:`t
 from __future__ import annotations
 
 import logging
-import math
-import os
 import warnings
-from typing import IO, Any, BinaryIO, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import opacus
 from torch import nn, optim
@@ -35,8 +33,9 @@ from .validators import check_max_samples_per_user, check_noise_or_target, check
 logger = logging.getLogger(__name__)
 
 
-class PrivacyEngine(opacus.PrivacyEngine):
-    """Opacus's engine, plus user-level DP (:meth:`make_private_user_level`).
+class PrivacyEngine(checkpoints.EngineCheckpoints, opacus.PrivacyEngine):
+    """Opacus's engine, plus user-level DP (:meth:`make_private_user_level`), with its checkpoints' privacy state saved
+    and restored by :class:`~trl_userdp.checkpoints.EngineCheckpoints`.
 
     Args:
         accountant: ``"rdp"`` or ``"pld"`` (dp-accounting; ``"prv"`` is taken as ``"pld"``, and the
@@ -302,119 +301,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """The optimizer's budget guard: refuse a step that would take ε past the budget."""
         if not self.budget_allows_step():
             raise PrivacyBudgetExhausted(self.budget.exhausted(self.accountant.steps_taken))
-
-    def save_checkpoint(self, *, path, module: nn.Module, optimizer: Optional[optim.Optimizer] = None,
-                        checkpoint_dict: Optional[Dict[str, Any]] = None, **kwargs) -> None:
-        """Opacus's ``save_checkpoint``, plus the private optimizer's own state (AUP-RLHF's AboveThreshold: a secret
-        of the mechanism; keep such checkpoints private).
-
-        Args:
-            path: where to write (for a model sharded by FSDP2, a folder: each process writes its shards, the main
-                process the privacy state; call it on every process).
-            module: the model.
-            optimizer: the optimizer whose state to save.
-            checkpoint_dict: more entries to save.
-            **kwargs: Opacus's (schedulers, ``torch.save`` options).
-        """
-        checkpoint_dict = dict(checkpoint_dict or {})
-        if not distributed.is_sharded(module):
-            if self.optimizer is not None:
-                checkpoint_dict[checkpoints.OPTIMIZER_STATE_KEY] = self.optimizer.privacy_state_dict()
-            super().save_checkpoint(path=path, module=module, optimizer=optimizer, checkpoint_dict=checkpoint_dict,
-                                    **kwargs)
-            return
-        if kwargs:
-            raise ValueError(f"{sorted(kwargs)}: not saved for a sharded model (its checkpoint is a folder of shards).")
-        checkpoints.save_shards(path, module, optimizer, with_model=True)
-        if distributed.rank() == 0:
-            optimizer_state = {} if self.optimizer is None else self.optimizer.privacy_state_dict()
-            checkpoints.save_privacy_state(path, self.accountant.state_dict(), optimizer_state, checkpoint_dict)
-        checkpoints.barrier()  # every process returns once the checkpoint is whole
-
-    def load_checkpoint(
-        self,
-        *,
-        path: Union[str, os.PathLike, BinaryIO, IO[bytes]],
-        module: nn.Module,
-        optimizer: Optional[optim.Optimizer] = None,
-        noise_scheduler: Any = None,
-        grad_clip_scheduler: Any = None,
-        module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
-        torch_load_kwargs: Optional[Dict[str, Any]] = None,
-    ) -> Dict:
-        """Opacus's ``load_checkpoint`` for a run set up by :meth:`make_private_user_level`, but a checkpoint is data,
-        never code (``weights_only=True``; Opacus's runs whatever a tampered pickle holds), and its privacy state is
-        checked against this run (:meth:`restore_privacy_state`) before anything is loaded.
-
-        Args:
-            path: the checkpoint written by :meth:`save_checkpoint` (a folder for a sharded model: call it on every
-                process).
-            module: the model to load into.
-            optimizer: the optimizer to load into.
-            noise_scheduler: as Opacus's.
-            grad_clip_scheduler: as Opacus's.
-            module_load_dict_kwargs: passed to ``module.load_state_dict``.
-            torch_load_kwargs: passed to ``torch.load`` (``weights_only`` stays True).
-
-        Returns:
-            The checkpoint's remaining entries (Opacus's behaviour).
-
-        Raises:
-            ValueError: a privacy state that does not belong to this run.
-        """
-        if distributed.is_sharded(module):  # a folder: the privacy state, checked first, then every process's shards
-            state = checkpoints.read_privacy_state(path, **(torch_load_kwargs or {}))
-            self.restore_privacy_state(state["accountant"], state["optimizer"], source=str(path))
-            checkpoints.load_shards(path, module, optimizer, with_model=True)
-            return state["entries"]
-        checkpoint = checkpoints.load_plain(path, **(torch_load_kwargs or {}))
-        self.restore_privacy_state(checkpoint["privacy_accountant_state_dict"],
-                                   checkpoint.get(checkpoints.OPTIMIZER_STATE_KEY, {}), source=str(path))
-        module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
-        optimizer_state = checkpoint.pop("optimizer_state_dict", {})
-        if optimizer is not None and optimizer_state:
-            optimizer.load_state_dict(optimizer_state)
-        for scheduler, key in ((noise_scheduler, "noise_scheduler_state_dict"),
-                               (grad_clip_scheduler, "grad_clip_scheduler_state_dict")):
-            scheduler_state = checkpoint.pop(key, {})
-            if scheduler is not None and scheduler_state:
-                scheduler.load_state_dict(scheduler_state)
-        return checkpoint
-
-    def restore_privacy_state(self, accountant_state: Dict[str, Any], optimizer_state: Dict[str, Any], *,
-                              source: str = "checkpoint") -> None:
-        """Resume the privacy of a checkpoint in this run (after :meth:`make_private_user_level`): its accountant must
-        be this run's configuration with every step at this run's (σ, q), and the optimizer's own state must agree
-        with it (AUP-RLHF: one AboveThreshold query per accounted step); otherwise nothing is restored. Then the
-        sampling continues at the accounted step (with a seed: no replayed draws).
-
-        Args:
-            accountant_state: the accountant's ``state_dict()``.
-            optimizer_state: the private optimizer's ``privacy_state_dict()``.
-            source: names the checkpoint in the messages.
-
-        Raises:
-            ValueError: no run was set up, or the state belongs to another run (other σ or q, another event) or
-                was edited.
-        """
-        if self.optimizer is None:
-            raise ValueError("Call make_private_user_level first: a checkpoint's privacy state is checked against the "
-                             "run it resumes.")
-        restored = self.accountant.spawn()
-        restored.load_state_dict(accountant_state)
-        run = (self.optimizer.noise_multiplier, self.data_loader.sample_rate)
-        for sigma, q, n in restored.history:
-            if not (math.isclose(sigma, run[0], rel_tol=1e-9) and math.isclose(q, run[1], rel_tol=1e-9)):
-                raise ValueError(
-                    f"{source}: the saved accountant holds {n} steps at σ={sigma:.6g}, q={q:.6g}, but this run's settings "
-                    f"give σ={run[0]:.6g}, q={run[1]:.6g}: refusing to resume. σ is calibrated to target_epsilon over "
-                    "the whole plan, so a longer plan (more max_steps or epochs) recalibrates it; to extend a run, fix "
-                    f"noise_multiplier={sigma!r} and raise target_epsilon to the total you accept (training stops "
-                    "when it is spent). Otherwise the state belongs to another run or was edited."
-                )
-        self.optimizer.load_privacy_state_dict(optimizer_state, accounted_steps=restored.steps_taken, source=source)
-        self.accountant.history = restored.history
-        self.data_loader.user_sampler.position = self.steps_accounted()
 
     def privacy_report(self, delta: float) -> PrivacyReport:
         """What has been spent so far.
