@@ -11,9 +11,12 @@ of the largest). Public users (their own population, same pool) choose each mech
 
 Rule (every mechanism, docs/users_scaling.md): ñ = 2√n users per step (40 at n = 400, the main job's), T = 50 steps,
 C = 1 (the adaptive clip starts there), SGD; the learning rate is each mechanism's best of ``--learning_rates`` on the
-public users (trained on ``--public_users`` of them at ε = 3, scored on the pairs of as many others, by their own
-labels): the same search budget for every mechanism, no held-out pair used. AUP-RLHF follows the same ñ (Poisson, its
-truncation ñ + 4√ñ), not the main job's every-user steps.
+public users (trained on ``--public_users`` of them, scored on the pairs of as many others, by their own labels): the
+same search budget for every mechanism, no held-out pair used. The step size follows the noise
+(:mod:`trl_userdp.step_size`): for user_dpsgd, its adaptive clip and group it is chosen for each (n, ε) on public users
+trained at the fixed σ_pub = σ·ñ_pub/ñ that puts that cell's noise σC/ñ on their averaged gradient; randomized response
+is tuned at each ε (its label noise does not depend on n); AUP-RLHF, whose noise follows from τ rather than a fixed σ,
+at ε = 3. AUP-RLHF follows the same ñ (Poisson, its truncation ñ + 4√ñ), not the main job's every-user steps.
 
 Controls: the same run with σ = 0 (user_dpsgd, group; user_dpsgd_adaptive_clip keeps its count noise, ñ/20, which moves the
 clip only; aup: no Gaussian noise, AboveThreshold without Laplace noise); randomized response's is the non-private model
@@ -43,6 +46,7 @@ from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_resu
 from trl_userdp.mechanisms import AUPRLHF, register_mechanism
 from trl_userdp.mechanisms.base import MECHANISM_REGISTRY
 from trl_userdp.mechanisms.aup import default_max_users_per_batch, split_budget, survival_probability
+from trl_userdp.step_size import choose_learning_rate, public_noise_multiplier
 from trl_userdp.utils.plots import save_figure
 
 MECHANISMS = ("none", "user_dpsgd", "user_dpsgd_adaptive_clip", "group", "randomized_response", "aup")
@@ -56,6 +60,8 @@ STEPS = 50
 #: the payload's index arrays (numpy in memory, tensors in the file the workers load with ``weights_only=True``)
 ARRAYS = ("pairs", "users", "public_pairs", "public_users", "validation_pairs", "eval_pairs")
 WITHIN = 0.01  # "within 1 point of non-private"
+#: mechanisms whose step size is chosen for each (n, ε) at that cell's noise (a fixed σ on the public users)
+NOISE_FOLLOWING = ("user_dpsgd", "user_dpsgd_adaptive_clip", "group")
 
 
 class AUPNoiseFree(AUPRLHF):
@@ -162,9 +168,11 @@ class Cell:
     n: int
     seed: int
     learning_rate: float
-    #: "": the rule; "lr <η>": the non-private model at a private rule's learning rate (a control); MAIN_JOB: the main
-    #: job's settings (learning rate 2, AUP-RLHF on every user), for the reproduction at its n
+    #: "": the rule; "lr <η>": a control (σ = 0, or the non-private model) at a private cell's learning rate; MAIN_JOB:
+    #: the main job's settings (learning rate 2, AUP-RLHF on every user), for the reproduction at its n
     variant: str = ""
+    #: a fixed σ instead of the target ε: the public tuning runs at a cell's noise level
+    noise_multiplier: Optional[float] = None
 
     @property
     def series(self) -> str:
@@ -235,7 +243,8 @@ def _train(cell: Cell, pairs: np.ndarray, users: np.ndarray, n: int, key: Any) -
     out_dir = os.path.join(s["work_dir"], f"worker{os.getpid()}")
     report = fit_reward_model(model, s["datasets"][key], mechanism, None if mechanism == "none" else cell.epsilon, args,
                               STEPS, out_dir, s["tau"], processing_class=tokenizer, data_collator=pool_pair_collator,
-                              noise_free=noise_free, aup_takes_every_user=cell.variant == MAIN_JOB)
+                              noise_free=noise_free, aup_takes_every_user=cell.variant == MAIN_JOB,
+                              noise_multiplier=cell.noise_multiplier)
     return model, report
 
 
@@ -266,12 +275,36 @@ def run_cells(cells: List[Cell]) -> List[Dict[str, Any]]:
 
 
 def tune_cell(cell: Cell) -> Dict[str, Any]:
-    """Train on the public training users at ε = 3 with one candidate learning rate; score on the validation users."""
+    """Train on the public training users with one candidate learning rate, at the cell's fixed σ (or its target ε);
+    score on the validation users."""
     s = _STATE
     n = int(s["public_users"].max()) + 1
     model, _ = _train(cell, s["public_pairs"], s["public_users"], n, "public")
-    return {"mechanism": cell.mechanism, "learning_rate": cell.learning_rate, "seed": cell.seed,
+    return {"mechanism": cell.mechanism, "epsilon": cell.epsilon, "n": cell.n or None, "learning_rate": cell.learning_rate,
+            "noise_multiplier": cell.noise_multiplier, "seed": cell.seed,
             "validation_accuracy": _accuracy(model.head, s["validation_pairs"])}
+
+
+def tuning_key(mechanism: str, epsilon: Optional[float], n: int) -> Tuple[str, Optional[float], Optional[int]]:
+    """The public tuning a cell's learning rate comes from: (mechanism, ε, n) for the noise-following mechanisms, (ε)
+    alone for randomized response, ε = 3 for AUP-RLHF, one for the non-private model."""
+    if mechanism == "none":
+        return ("none", None, None)
+    if mechanism in NOISE_FOLLOWING:
+        return (mechanism, epsilon, n)
+    return (mechanism, epsilon if mechanism == "randomized_response" else 3.0, None)
+
+
+def target_sigma(mechanism: str, n: int, epsilon: float, m: int, delta: float) -> float:
+    """σ the trainer calibrates for a rule cell: the mechanism's own event and budget split, PLD, replace one user,
+    q = ñ/n, T = :data:`STEPS`."""
+    from trl_userdp.accountants.accountant import accountant_class
+    from trl_userdp.mechanisms import gradient_mechanism
+
+    mech, n_tilde = gradient_mechanism(mechanism), users_per_batch(n)
+    accountant = accountant_class("pld")(relation="replace", events=mech.step_event(
+        max_samples_per_user=m, n_users=n, users_per_batch=n_tilde))
+    return accountant.calibrate(*mech.budget(epsilon, delta), sample_rate=n_tilde / n, steps=STEPS)
 
 
 def _map(fn, items: List[Any], pool, desc: str) -> List[Any]:
@@ -294,28 +327,34 @@ def _aup_regime(epsilons: Sequence[float], delta: float, grid: Sequence[int]) ->
 def _summary(results: List[Dict[str, Any]], n_grid: Sequence[int]) -> Dict[str, Any]:
     """Each series' mean accuracy per n (with its 95% interval over seeds) and, per private (mechanism, ε), the smallest
     n whose mean is within :data:`WITHIN` of the reference's at that n, for two references: the tuned non-private model
-    and the non-private model at the mechanism's learning rate; with the gap to each at the largest n, paired by seed
-    (a seed shares the head's initialisation and the data order across series)."""
+    and the non-private model at the learning rate the mechanism's cell used at that n; with the gap to each at the
+    largest n, paired by seed (a seed shares the head's initialisation and the data order across series)."""
     cells: Dict[Tuple[str, Optional[float]], Dict[int, Dict[str, float]]] = {}
     for key in sorted({(r["series"], r["epsilon"]) for r in results}, key=lambda k: (k[1] or 0, k[0])):
         cells[key] = {n: mean_ci([r["accuracy"] for r in results if (r["series"], r["epsilon"]) == key and r["n"] == n])
                       for n in n_grid if any((r["series"], r["epsilon"]) == key and r["n"] == n for r in results)}
-    rate = {r["series"]: r["learning_rate"] for r in results}
+    rate = {(r["series"], r["epsilon"], r["n"]): r["learning_rate"] for r in results}
+    tuned = next(r["learning_rate"] for r in results if r["series"] == "none")
     by_seed = {(r["series"], r["epsilon"], r["n"], r["seed"]): r["accuracy"] for r in results}
     top = max(n_grid)
     reached = []
     for (series, eps), by_n in cells.items():
         if eps is None or "σ = 0" in series or "[" in series:
             continue
-        same_rate = f"none [lr {rate[series]:g}]"
-        row: Dict[str, Any] = {"mechanism": series, "epsilon": eps}
-        for field, reference in (("", "none"), ("_of_same_rate", same_rate)):
-            reference = reference if (reference, None) in cells else "none"
-            ref = cells[reference, None]
+
+        def reference(n: int, same_rate: bool) -> str:
+            name = "none" if not same_rate or rate[series, eps, n] == tuned else f"none [lr {rate[series, eps, n]:g}]"
+            return name if n in cells.get((name, None), {}) else "none"
+
+        row: Dict[str, Any] = {"mechanism": series, "epsilon": eps,
+                               "learning_rates": {str(n): rate[series, eps, n] for n in by_n}}
+        for field, same_rate in (("", False), ("_of_same_rate", True)):
             row["smallest_n_within_1_point" + field] = next(
-                (n for n in n_grid if n in by_n and n in ref and by_n[n]["mean"] >= ref[n]["mean"] - WITHIN), None)
-            gaps = [by_seed[series, eps, top, seed] - by_seed[reference, None, top, seed] for seed in
-                    sorted({k[3] for k in by_seed if k[:3] == (series, eps, top)}) if (reference, None, top, seed) in by_seed]
+                (n for n in n_grid if n in by_n and n in cells[reference(n, same_rate), None]
+                 and by_n[n]["mean"] >= cells[reference(n, same_rate), None][n]["mean"] - WITHIN), None)
+            ref = reference(top, same_rate) if top in by_n else "none"
+            gaps = [by_seed[series, eps, top, seed] - by_seed[ref, None, top, seed] for seed in
+                    sorted({k[3] for k in by_seed if k[:3] == (series, eps, top)}) if (ref, None, top, seed) in by_seed]
             row["gap_at_largest_n" + field] = mean_ci(gaps) if gaps else None
         reached.append(row)
     return {"cells": {f"{s}|{e}": {str(n): c for n, c in by_n.items()} for (s, e), by_n in cells.items()},
@@ -357,6 +396,8 @@ def _reproduction(results: List[Dict[str, Any]], seeds: int) -> Tuple[List[Dict[
 
 
 def _plot(path: str, results: List[Dict[str, Any]], epsilons: Sequence[float], n_grid: Sequence[int]) -> None:
+    """One panel per ε: the tuned non-private model, each private mechanism and, dotted, its σ = 0 control at the
+    learning rate the private cell used at each n."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,25 +406,23 @@ def _plot(path: str, results: List[Dict[str, Any]], epsilons: Sequence[float], n
     mechanisms = [m for m in MECHANISMS if m != "none"]
     fig, axes = plt.subplots(1, len(epsilons), figsize=(max(10.0, 5.2 * len(epsilons)), 4.4), squeeze=False,
                              sharey=True)
-    references = [(series, [mean_ci([r["accuracy"] for r in results if r["series"] == series and r["n"] == n])
-                            for n in n_grid]) for series in dict.fromkeys(r["series"] for r in results)
-                  if series.startswith("none") and MAIN_JOB not in series]
+    none = [mean_ci([r["accuracy"] for r in results if r["series"] == "none" and r["n"] == n]) for n in n_grid]
     for ax, eps in zip(axes.flat, epsilons):
-        for j, (series, ci) in enumerate(references):
-            ax.errorbar(n_grid, [c["mean"] for c in ci], yerr=[c["hi"] - c["mean"] for c in ci], color=str(0.3 * j),
-                        linestyle="--" if series == "none" else ":", marker="o", ms=3, capsize=2,
-                        label="non-private" + series[4:])
+        ax.errorbar(n_grid, [c["mean"] for c in none], yerr=[c["hi"] - c["mean"] for c in none], color="0.2",
+                    linestyle="--", marker="o", ms=3, capsize=2, label="non-private (tuned)")
         for i, mech in enumerate(mechanisms):
-            for control in (False, True):
-                chosen = [r for r in results if r["mechanism"] == mech and r["control"] == control
-                          and (control or r["epsilon"] == eps) and not r["variant"]]
-                if control and mech in CONTROL_OF and CONTROL_OF[mech] == "none" or not chosen:
+            private = {n: [r for r in results if r["mechanism"] == mech and not r["control"] and r["epsilon"] == eps
+                           and r["n"] == n and not r["variant"]] for n in n_grid}
+            control = {n: [r for r in results if r["mechanism"] == mech and r["control"] and r["n"] == n and private[n]
+                           and r["variant"] == f"lr {private[n][0]['learning_rate']:g}"] for n in n_grid}
+            for chosen, dotted in ((private, False), (control, True)):
+                ns = [n for n in n_grid if chosen[n]]
+                if not ns:
                     continue
-                ns = [n for n in n_grid if any(r["n"] == n for r in chosen)]
-                ci = [mean_ci([r["accuracy"] for r in chosen if r["n"] == n]) for n in ns]
+                ci = [mean_ci([r["accuracy"] for r in chosen[n]]) for n in ns]
                 ax.errorbar(ns, [c["mean"] for c in ci], yerr=[c["hi"] - c["mean"] for c in ci], color=f"C{i}",
-                            linestyle=":" if control else "-", marker="o", ms=3, capsize=2, alpha=0.5 if control else 1,
-                            label=mech + (" (σ = 0)" if control else ""))
+                            linestyle=":" if dotted else "-", marker="o", ms=3, capsize=2, alpha=0.5 if dotted else 1,
+                            label=mech + (" (σ = 0)" if dotted else ""))
         ax.set(xscale="log", xlabel="users n (m = 10 pairs each)", title=f"ε = {eps:g} (replace one user), δ = 1e-5")
         ax.set_xticks(list(n_grid), [f"{n:,}" for n in n_grid])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -519,30 +558,46 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
     if pool is None:
         _init_worker(path, torch.get_num_threads())
     try:
-        # the rule's learning rate per mechanism, on the public users (ε = 3; seed 0): the same budget for each
-        tuning = _map(tune_cell, [Cell(mech, None if mech == "none" else 3.0, False, 0, 0, lr)
-                                  for mech in opts.mechanisms for lr in opts.learning_rates], pool, "public tuning")
-        lr = {mech: max((t for t in tuning if t["mechanism"] == mech), key=lambda t: t["validation_accuracy"])
-              ["learning_rate"] for mech in opts.mechanisms}
-        print("\nThe rule's learning rate: validation accuracy on the public users (their own labels), ε = 3")
-        tuning_table = print_table(["mechanism", *[f"lr {r:g}" for r in opts.learning_rates], "chosen"],
-                                   [[mech, *[f"{next(t['validation_accuracy'] for t in tuning if t['mechanism'] == mech and t['learning_rate'] == r):.4f}"
-                                             for r in opts.learning_rates], f"{lr[mech]:g}"] for mech in opts.mechanisms])
-        plan = [Cell("none", None, False, n, s, lr["none"]) for n in n_grid for s in range(opts.seeds)]
-        for mech in opts.mechanisms:
-            if mech == "none":
-                continue
-            plan += [Cell(mech, eps, False, n, s, lr[mech]) for eps in opts.epsilons for n in n_grid
-                     for s in range(opts.seeds)]
-            if CONTROL_OF.get(mech) != "none":
-                plan += [Cell(mech, None, True, n, s, lr[mech]) for n in n_grid for s in range(opts.seeds)]
-        # the non-private model at each private rule's learning rate: separates the rule's step size from clipping
-        for rate in sorted({lr[m] for m in opts.mechanisms} - {lr["none"]}):
-            plan += [Cell("none", None, False, n, s, rate, f"lr {rate:g}") for n in n_grid for s in range(opts.seeds)]
+        # the rule's learning rate, on the public users (seed 0): the same candidates for every mechanism; the
+        # noise-following ones at each cell's noise, σ_pub = σ·ñ_pub/ñ (trl_userdp.step_size)
+        private = [m for m in opts.mechanisms if m != "none"]
+        keys = list(dict.fromkeys([tuning_key("none", None, 0)] + [tuning_key(m, e, n) for m in private
+                                                                     for e in opts.epsilons for n in n_grid]))
+        public_sigma = {k: public_noise_multiplier(target_sigma(k[0], k[2], k[1], opts.m, opts.delta),
+                                                   users_per_batch(k[2]), users_per_batch(opts.public_users))
+                        for k in keys if k[0] in NOISE_FOLLOWING}
+        tuning = _map(tune_cell, [Cell(k[0], k[1], False, k[2] or 0, 0, rate, noise_multiplier=public_sigma.get(k))
+                                  for k in keys for rate in opts.learning_rates], pool, "public tuning")
+        chosen = {}
+        for k in keys:
+            scores = {t["learning_rate"]: t["validation_accuracy"] for t in tuning
+                      if (t["mechanism"], t["epsilon"], t["n"]) == k}
+            chosen[k] = choose_learning_rate(scores.__getitem__, list(scores))[0]
+        lr = lambda mech, eps, n: chosen[tuning_key(mech, eps, n)]  # noqa: E731
+        print("\nThe rule's learning rate: validation accuracy on the public users (their own labels), at each cell's "
+              "noise (σ_pub) where the step size follows it")
+        tuning_table = print_table(
+            ["mechanism", "ε", "n", "σ_pub", *[f"lr {r:g}" for r in opts.learning_rates], "chosen"],
+            [[k[0], "—" if k[1] is None else f"{k[1]:g}", "all" if k[2] is None else f"{k[2]:,}",
+              f"{public_sigma[k]:.3f}" if k in public_sigma else "—",
+              *[f"{next(t['validation_accuracy'] for t in tuning if (t['mechanism'], t['epsilon'], t['n']) == k and t['learning_rate'] == r):.4f}"
+                for r in opts.learning_rates], f"{chosen[k]:g}"] for k in keys])
+        seeds = range(opts.seeds)
+        plan = [Cell("none", None, False, n, s, lr("none", None, n)) for n in n_grid for s in seeds]
+        for mech in private:
+            plan += [Cell(mech, eps, False, n, s, lr(mech, eps, n)) for eps in opts.epsilons for n in n_grid
+                     for s in seeds]
+            if CONTROL_OF.get(mech) != "none":  # σ = 0 at each learning rate the mechanism's cells use at that n
+                plan += [Cell(mech, None, True, n, s, rate, f"lr {rate:g}") for n in n_grid
+                         for rate in sorted({lr(mech, e, n) for e in opts.epsilons}) for s in seeds]
+        # the non-private model at each private cell's learning rate: separates the rule's step size from clipping
+        tuned = lr("none", None, 0)
+        plan += [Cell("none", None, False, n, s, rate, f"lr {rate:g}") for n in n_grid
+                 for rate in sorted({lr(m, e, n) for m in private for e in opts.epsilons} - {tuned}) for s in seeds]
         if MAIN_JOB_USERS in n_grid:  # the main job's own settings at its n, for the reproduction
             plan += [Cell(mech, None if mech == "none" else eps, False, MAIN_JOB_USERS, s, MAIN_JOB_LR, MAIN_JOB)
                      for mech in opts.mechanisms for eps in (opts.epsilons if mech != "none" else [None])
-                     for s in range(opts.seeds)]
+                     for s in seeds]
         # one task per calibration: the cells whose σ is calibrated alike (user_dpsgd and its adaptive clip share the
         # accountant's event) run in one process, which calibrates once; the longest tasks first
         family = {"user_dpsgd_adaptive_clip": "user_dpsgd"}
@@ -563,9 +618,11 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
           f"ñ = 2√n, T = {STEPS}, C = 1, δ = {opts.delta:g}, replace one user")
     header = ["mechanism", "ε", "lr"] + [f"n = {n:,}" for n in n_grid]
 
-    rate = {(r["series"], r["epsilon"]): r["learning_rate"] for r in results}
+    rates: Dict[str, set] = {}
+    for r in results:
+        rates.setdefault(f"{r['series']}|{r['epsilon']}", set()).add(r["learning_rate"])
     table = print_table(header, [[key.split("|")[0], key.split("|")[1].replace("None", "—"),
-                                  f"{rate[key.split('|')[0], None if key.endswith('|None') else float(key.split('|')[1])]:g}"]
+                                  "/".join(f"{x:g}" for x in sorted(rates[key]))]
                                  + [fmt(by_n[str(n)]) if str(n) in by_n else "" for n in n_grid]
                                  for key, by_n in summary["cells"].items() if MAIN_JOB not in key])
     print(f"\nSmallest n whose mean is within {100 * WITHIN:g} point of the non-private mean at the same n: the tuned "
@@ -578,7 +635,7 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
                                   gap(r["gap_at_largest_n"]), gap(r["gap_at_largest_n_of_same_rate"])]
                                  for r in summary["reached"]])
     regime = _aup_regime(opts.epsilons, opts.delta, opts.survival_grid)
-    aup_runs = [r for r in results if r["mechanism"] == "aup" and not r["variant"]]
+    aup_runs = [r for r in results if r["mechanism"] == "aup" and r["variant"] != MAIN_JOB]
     print(f"\nAUP-RLHF's AboveThreshold: best-case survival over T = {STEPS} queries (all users within τ), and the runs")
     regime_table = print_table(["ñ"] + [f"ε = {e:g}" for e in opts.epsilons],
                                [[n_tilde] + [f"{next(r['survival'] for r in regime if r['users_per_batch'] == n_tilde and r['epsilon'] == e):.3f}"
@@ -589,8 +646,14 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
                          + [f"{sum(bool(r['halted']) for r in aup_runs if r['n'] == n and r['epsilon'] == e and not r['control'])}"
                             f"/{opts.seeds}" for e in opts.epsilons] for n in n_grid]) if aup_runs else ""
     reproduction, reproduction_table = _reproduction(results, opts.seeds)
-    out = {"arguments": vars(opts), "rule": {"users_per_batch": "2*sqrt(n)", "steps": STEPS, "clip": 1.0,
-                                             "learning_rate": lr}, "data_card": data.card, "tau": payload["tau"],
+    out = {"arguments": vars(opts),
+           "rule": {"users_per_batch": "2*sqrt(n)", "steps": STEPS, "clip": 1.0,
+                    "step_size": "the best public-user candidate at each cell's noise: σ_pub = σ·ñ_pub/ñ (user_dpsgd, "
+                                 "its adaptive clip, group; per (n, ε)), the target ε (randomized response; per ε), "
+                                 "ε = 3 (AUP-RLHF)",
+                    "learning_rate": {"|".join(map(str, k)): v for k, v in chosen.items()},
+                    "public_noise_multiplier": {"|".join(map(str, k)): v for k, v in public_sigma.items()}},
+           "data_card": data.card, "tau": payload["tau"],
            "tuning": tuning, "results": [{k: v for k, v in r.items() if k != "head"} for r in results],  # no weights
            "summary": summary, "aup_regime": regime, "table": table,
            "reached_table": reached_table, "aup_table": regime_table + "\n" + halts, "tuning_table": tuning_table,
@@ -599,14 +662,14 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
     if not opts.no_rl:
         top = max(n_grid)
         eps = 3.0 if 3.0 in opts.epsilons else max(opts.epsilons)
-        private = [m for m in opts.mechanisms if m != "none"]
         # the best private mechanism by the public validation users (at its chosen learning rate), not the held-out pairs
-        best_mech = max(private, key=lambda m: next(t["validation_accuracy"] for t in tuning if t["mechanism"] == m
-                                                    and t["learning_rate"] == lr[m]))
-        pick = lambda m, e: next(r for r in results if r["mechanism"] == m and r["epsilon"] == e and r["n"] == top
+        best_mech = max(private, key=lambda m: next(
+            t["validation_accuracy"] for t in tuning if (t["mechanism"], t["epsilon"], t["n"]) == tuning_key(m, eps, top)
+            and t["learning_rate"] == lr(m, eps, top)))
+        pick = lambda m, e: next(r for r in results if r["mechanism"] == m and r["epsilon"] == e and r["n"] == top  # noqa: E731
                                  and r["seed"] == 0 and not r["control"] and not r["variant"])
-        same_rate = next((r for r in results if r["variant"] == f"lr {lr[best_mech]:g}" and r["n"] == top
-                          and r["seed"] == 0), None)
+        same_rate = next((r for r in results if r["mechanism"] == "none" and r["variant"] == f"lr {lr(best_mech, eps, top):g}"
+                          and r["n"] == top and r["seed"] == 0), None)
         out["grpo"] = _grpo(opts.work_dir, pick(best_mech, eps), pick("none", None), same_rate)
         g = out["grpo"]
         print(f"\nGRPO at n = {top:,}: {best_mech} at ε = {eps:g} keeps {g['share_of_gain']:.2f} of the non-private gain "

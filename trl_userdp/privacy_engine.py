@@ -23,8 +23,9 @@ from .accountants.accountant import accountant_class
 from .accountants.events import StepEvent
 from .data import UserDataLoader, bound_contributions
 from .data.bounding import BoundingReport
-from .grad_sample import RowPositions, RowRelativePositions, UserGhostHooks, UserGradSampleHooks
-from .grad_sample.checks import check_private_model
+from .grad_sample import RowPositions, RowRelativePositions, UserGhostHooks, UserGradSampleHooks, check_module
+from .grad_sample.checks import active_dropout
+from .grad_sample.ghost import PACKABLE
 from .mechanisms import GradientMechanism, gradient_mechanism
 from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer, get_optimizer_class
 from .setup_options import SetupOptions
@@ -197,10 +198,27 @@ class PrivacyEngine(checkpoints.EngineCheckpoints, opacus.PrivacyEngine):
         return loader, expected_units, noise_multiplier, total_steps
 
     def _check_model(self, module, optimizer, max_samples_per_user: int) -> int:
+        """Refuse what the engine cannot make private (before anything is built); warn of dropout that is on."""
         if self.hooks is not None:
             raise ValueError("This engine already made a model private; create a new PrivacyEngine.")
-        check_private_model(module, optimizer)
-        return check_max_samples_per_user(max_samples_per_user)
+        m = check_max_samples_per_user(max_samples_per_user)
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                "Pass the plain module, not a DistributedDataParallel wrapper: DDP would average the raw gradients "
+                "across processes; the engine shards users by rank and all-reduces the clipped, noised sums itself."
+            )
+        if distributed.is_sharded(module):
+            distributed.check_sharding(module, PACKABLE)
+        model_params = set(module.parameters())
+        if any(p not in model_params for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("Module parameters are different than optimizer parameters.")
+        check_module(module)
+        dropout = active_dropout(module)
+        if dropout:
+            logger.warning("The model has dropout on (%s): its masks come from torch's global stream, one per batch, "
+                           "so one user's rows move the others' masks. Turn it off before training "
+                           "(trl_userdp.grad_sample.checks.disable_dropout(model)); the trainers refuse it.", dropout[0])
+        return m
 
     def _bound(self, data_loader, m, opts: SetupOptions, target_delta):
         """The dataset with at most ``m`` rows per user (a seeded draw); the counts go to :attr:`bounding`."""

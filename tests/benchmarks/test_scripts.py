@@ -122,25 +122,35 @@ def test_users_scaling_runs_every_mechanism_with_its_control_in_a_tiny_grid(tmp_
     from benchmarks import users_scaling
 
     out = users_scaling.main(["--n_users", "16", "--seeds", "2", "--epsilons", "3", "--learning_rates", "0.5", "2",
-                              "--pool", "200", "--public_users", "16", "--eval_pairs", "60", "--workers", "1", "--no_rl",
+                              "--pool", "200", "--public_users", "36", "--eval_pairs", "60", "--workers", "1", "--no_rl",
                               "--survival_grid", "40", "--out", str(tmp_path), "--work_dir", str(tmp_path / "runs")])
+    # one public tuning per mechanism here (one n, one ε), each of the 2 candidates
     assert {t["mechanism"] for t in out["tuning"]} == set(users_scaling.MECHANISMS) and len(out["tuning"]) == 12
+    rule = out["rule"]
+    key = lambda mech, eps: "|".join(map(str, users_scaling.tuning_key(mech, eps, 16)))  # noqa: E731
+    # the step size follows the noise: the public users (ñ_pub = 2·√36 = 12) train at σ_pub = σ·12/8, the cell's noise
+    for mech in users_scaling.NOISE_FOLLOWING:
+        sigma = users_scaling.target_sigma(mech, 16, 3.0, 10, 1e-5)
+        assert rule["public_noise_multiplier"][key(mech, 3.0)] == pytest.approx(sigma * 12 / 8)
+        assert all(t["noise_multiplier"] == pytest.approx(sigma * 12 / 8) for t in out["tuning"] if t["mechanism"] == mech)
+    assert all(t["noise_multiplier"] is None for t in out["tuning"] if t["mechanism"] not in users_scaling.NOISE_FOLLOWING)
     series = {(r["series"], r["epsilon"]) for r in out["results"]}
     private = [m for m in users_scaling.MECHANISMS if m != "none"]
-    expected = {("none", None)} | {(m, 3.0) for m in private} | {(m + " (σ = 0)", None) for m in private
-                                                                   if m != "randomized_response"}
-    rates = {out["rule"]["learning_rate"][m] for m in private} - {out["rule"]["learning_rate"]["none"]}
-    assert series == expected | {(f"none [lr {r:g}]", None) for r in rates}  # the step-size control, where it differs
-    for key, by_n in out["summary"]["cells"].items():  # every cell has its seeds
-        assert set(by_n) == {"16"} and by_n["16"]["n"] == 2, key
+    rates = {m: rule["learning_rate"][key(m, 3.0)] for m in private}
+    expected = {("none", None)} | {(m, 3.0) for m in private} | {(f"{m} (σ = 0) [lr {rates[m]:g}]", None)
+                                                                   for m in private if m != "randomized_response"}
+    tuned = rule["learning_rate"][key("none", None)]
+    assert series == expected | {(f"none [lr {r:g}]", None) for r in set(rates.values()) - {tuned}}  # step-size control
+    for k, by_n in out["summary"]["cells"].items():  # every cell has its seeds
+        assert set(by_n) == {"16"} and by_n["16"]["n"] == 2, k
     for r in out["results"]:
         assert 0 <= r["accuracy"] <= 1 and r["steps_taken"] <= users_scaling.STEPS
         spent = r["epsilon_spent"]
         assert (spent is None) == (r["epsilon"] is None), r["series"]  # a control spends no ε, a private cell ≤ its ε
         assert spent is None or 0 < spent <= 3.0 + 1e-6
-    # the rule: ñ = 2√n; the controls train with the private cells' learning rate
-    assert out["rule"]["users_per_batch"] == "2*sqrt(n)" and users_scaling.users_per_batch(400) == 40
-    assert all(r["learning_rate"] == out["rule"]["learning_rate"][r["mechanism"]] for r in out["results"] if not r["variant"])
+        if not r["variant"]:  # the rule's cells train at their tuned step; the controls at a private cell's
+            assert r["learning_rate"] == rule["learning_rate"][key(r["mechanism"], r["epsilon"])]
+    assert rule["users_per_batch"] == "2*sqrt(n)" and users_scaling.users_per_batch(400) == 40
     assert 0 <= out["aup_regime"][0]["survival"] <= 1
     assert os.path.exists(tmp_path / "users_scaling.json") and os.path.exists(tmp_path / "users_scaling.png")
     from trl_userdp.mechanisms import mechanism_names

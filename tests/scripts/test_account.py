@@ -24,14 +24,14 @@ class OutsideUserDPSGD(UserDPSGD):
 
 @pytest.fixture(scope="module")
 def walkthrough():
-    """One run of `account` (n = 200, m = 4, ñ = 10, T = 40, ε = 2) with the outside mechanism registered: its
-    output, and the table as {(header, detail): value} of the ε = 2 row."""
+    """One run of `account` (n = 200, m = 4, ñ = 10, T = 40, ε = 2, ñ_pub = 5) with the outside mechanism registered:
+    its output, and the table as {(header, detail): value} of the ε = 2 row."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(MECHANISM_REGISTRY, OutsideUserDPSGD.name, OutsideUserDPSGD)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             status = main(["account", "--n_users", "200", "--users_per_batch", "10", "--steps", "40",
-                           "--max_samples_per_user", "4", "--epsilons", "2"])
+                           "--max_samples_per_user", "4", "--epsilons", "2", "--public_users_per_batch", "5"])
     assert status == 0
     out = out.getvalue()
     lines = out.splitlines()
@@ -70,5 +70,19 @@ def test_account_prints_the_calibrated_sigmas(walkthrough):
 def test_a_mechanism_registered_from_outside_gets_its_column_and_notes(walkthrough):
     out, cells = walkthrough
     assert cells[("outside σ", "(test)")] == 24.0  # 10·ε + m, with its 2 digits
-    assert " 24.00\n" in out and out.rstrip().endswith("outside σ: a column added by a test.")
+    assert " 24.00\n" in out and "\noutside σ: a column added by a test.\n" in out  # the notes, then the step size
+    assert out.index("outside σ: a column added") < out.index("Step size (user-wise")
     assert OutsideUserDPSGD.name not in MECHANISM_REGISTRY  # the fixture's registration did not leak
+
+
+def test_account_prints_the_step_size_rules_public_noise_multiplier(walkthrough):
+    """Issue 42: with --public_users_per_batch, the noise a step puts on the averaged gradient (σC/ñ) and the fixed σ
+    that gives a run on ñ_pub public users per step the same noise (σ·ñ_pub/ñ), from the table's own PLD σ."""
+    out, cells = walkthrough
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Step size (user-wise DP-SGD"))
+    assert "ñ_pub = 5 per step" in lines[start]
+    eps, sigma, noise, public = (float(v) for v in lines[start + 2].split("|"))
+    assert eps == 2.0 and sigma == pytest.approx(cells[("user-wise σ", "(PLD)")], abs=1e-4)
+    assert noise == pytest.approx(sigma / 10, rel=1e-2) and public == pytest.approx(sigma * 5 / 10, abs=1e-4)
+    assert "--noise_multiplier σ_pub" in lines[start + 3]

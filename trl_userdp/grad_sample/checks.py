@@ -4,7 +4,6 @@ gradients against autograd's (:func:`check_unit_sums`)."""
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from typing import Callable, List, Sequence
@@ -13,8 +12,6 @@ import torch
 from opacus.validators import ModuleValidator
 from opacus.validators.errors import UnsupportedModuleError
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 #: float attributes Hugging Face attention layers pass as ``dropout=`` to their attention function in training mode
 DROPOUT_RATE_ATTRIBUTES = ("attention_dropout", "attn_dropout", "attn_drop", "dropout", "dropout_p", "dropout_prob")
@@ -114,38 +111,6 @@ def check_module(module: nn.Module) -> None:
                     "gradient_checkpointing=False), or enable it with "
                     "gradient_checkpointing_kwargs={'use_reentrant': True}."
                 )
-
-
-def check_private_model(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Reject what the engine cannot make private: a DDP wrapper, an FSDP2 sharding the hooks cannot follow, an
-    optimizer over other parameters, a model :func:`check_module` refuses; warn of dropout that is on.
-
-    Args:
-        module: the model.
-        optimizer: the optimizer over its parameters.
-
-    Raises:
-        ValueError: with the reason.
-    """
-    from .. import distributed
-    from .ghost import PACKABLE  # ghost imports this module
-
-    if isinstance(module, nn.parallel.DistributedDataParallel):
-        raise ValueError(
-            "Pass the plain module, not a DistributedDataParallel wrapper: DDP would average the raw gradients "
-            "across processes; the engine shards users by rank and all-reduces the clipped, noised sums itself."
-        )
-    if distributed.is_sharded(module):
-        distributed.check_sharding(module, PACKABLE)
-    model_params = set(module.parameters())
-    if any(p not in model_params for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError("Module parameters are different than optimizer parameters.")
-    check_module(module)
-    dropout = active_dropout(module)
-    if dropout:
-        logger.warning("The model has dropout on (%s): its masks come from torch's global stream, one per batch, "
-                       "so one user's rows move the others' masks. Turn it off before training "
-                       "(trl_userdp.grad_sample.checks.disable_dropout(model)); the trainers refuse it.", dropout[0])
 
 
 def check_unit_sums(params: Sequence[nn.Parameter], name_of: Callable[[nn.Parameter], str]) -> bool:

@@ -16,7 +16,14 @@ import argparse
 import dataclasses
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from ..validators import check_delta, check_epsilon, check_max_samples_per_user, check_steps, check_users_per_batch
+from ..validators import (
+    check_delta,
+    check_epsilon,
+    check_max_samples_per_user,
+    check_positive,
+    check_steps,
+    check_users_per_batch,
+)
 from .utils import command_parser, run_script
 
 #: the command's line in ``trl-userdp --help``
@@ -35,6 +42,10 @@ class AccountArguments:
     steps: Optional[int] = dataclasses.field(default=None, metadata={"help": "Steps T (instead of epochs)."})
     delta: float = dataclasses.field(default=1e-5, metadata={"help": "Target δ."})
     epsilons: List[float] = dataclasses.field(default_factory=lambda: [1.0, 3.0, 8.0], metadata={"help": "Target ε values."})
+    public_users_per_batch: Optional[float] = dataclasses.field(default=None, metadata={
+        "help": "Expected users per step ñ_pub of a run on public users that chooses the learning rate: prints, for "
+                "user-wise DP-SGD, the noise on the averaged gradient σC/ñ and the σ_pub that gives the public run the "
+                "same noise (docs/users_scaling.md, 'The step size')."})
 
 
 def walkthrough_rows(setting, epsilons: Sequence[float], mechanisms: Optional[Sequence[type]] = None,
@@ -122,6 +133,8 @@ def main(args: AccountArguments) -> int:
     check_delta(args.delta, "delta")
     for e in args.epsilons:
         check_epsilon(e, "epsilons")
+    if args.public_users_per_batch is not None:
+        check_positive(args.public_users_per_batch, "public_users_per_batch")
     q = args.users_per_batch / args.n_users
     steps = check_steps(args.steps, None if args.steps is not None else args.epochs, q)
     setting = AccountingSetting(n_users=args.n_users, max_samples_per_user=args.max_samples_per_user,
@@ -146,7 +159,37 @@ def main(args: AccountArguments) -> int:
     notes = [note for mechanism in mechanisms for note in mechanism.walkthrough_notes]
     if notes:
         print("\n" + "\n".join(notes))
+    if args.public_users_per_batch is not None:
+        print("\n" + "\n".join(step_size_lines(args, setting)))
     return 0
+
+
+def step_size_lines(args: AccountArguments, setting) -> List[str]:
+    """The step-size rule's numbers for user-wise DP-SGD at each target ε: σ (PLD), the noise on the averaged gradient
+    σC/ñ in units of C, and the fixed σ_pub a public-user run at ñ_pub needs for the same noise
+    (:mod:`trl_userdp.step_size`).
+
+    Args:
+        args: the command's arguments (``public_users_per_batch`` set).
+        setting: the :class:`~trl_userdp.mechanisms.AccountingSetting`.
+
+    Returns:
+        The lines to print.
+    """
+    from ..accountants import PoissonGaussian
+    from ..step_size import averaged_gradient_noise, public_noise_multiplier
+
+    lines = [f"Step size (user-wise DP-SGD; choose it on public users at this noise, ñ_pub = "
+             f"{args.public_users_per_batch:g} per step, with the private run's clip):",
+             f"{'ε':>5} | {'σ (PLD)':>8} | {'σC/ñ (× C)':>11} | {'σ_pub':>8}"]
+    for epsilon in args.epsilons:
+        sigma = PoissonGaussian().calibrate(epsilon, setting.delta, accountant="pld", tol=1e-3,
+                                            sample_rate=setting.sample_rate, steps=setting.steps)
+        lines.append(f"{epsilon:>5g} | {sigma:>8.4f} | {averaged_gradient_noise(sigma, 1.0, args.users_per_batch):>11.3g}"
+                     f" | {public_noise_multiplier(sigma, args.users_per_batch, args.public_users_per_batch):>8.4f}")
+    lines.append("Train each candidate learning rate on public users with --noise_multiplier σ_pub (no target_epsilon) "
+                 "and keep the one their held-out pairs score best (trl_userdp.step_size.choose_learning_rate).")
+    return lines
 
 
 def make_parser(subparsers: Optional[argparse._SubParsersAction] = None, prog: Optional[str] = None):

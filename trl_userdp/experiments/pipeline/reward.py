@@ -87,7 +87,8 @@ def train_reward_model(mechanism: str, epsilon: Optional[float], encoder: MiniLM
 def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str, epsilon: Optional[float],
                      args: PipelineArguments, steps: int, out_dir: str, tau: Optional[float] = None, *,
                      processing_class=None, data_collator=None, noise_free: bool = False,
-                     aup_takes_every_user: bool = True, privacy_seed: Optional[int] = None) -> PrivacyReport:
+                     aup_takes_every_user: bool = True, privacy_seed: Optional[int] = None,
+                     noise_multiplier: Optional[float] = None) -> PrivacyReport:
     """Train a reward model in place with :class:`~trl_userdp.trainers.UserDPRewardTrainer`: ``steps`` steps of ñ·m
     pairs (each step's users drawn by Poisson sampling under the DP-SGD family), SGD at ``reward_lr``, C = 1, the
     pipeline's seed, bf16 autocast; AUP-RLHF takes every user in every step (it halts on small Poisson batches) unless
@@ -109,6 +110,8 @@ def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str,
         aup_takes_every_user: AUP-RLHF samples every user at every step (else ñ = ``users_per_batch``, as the others).
         privacy_seed: keys the privacy draws, for tests that compare two runs (None: secrets from the OS, as a
             release must).
+        noise_multiplier: a fixed σ instead of the target ε (no ε): the step-size rule's runs on public users at a
+            private run's noise level (:func:`~trl_userdp.step_size.public_noise_multiplier`).
 
     Returns:
         The trainer's privacy report.
@@ -117,10 +120,11 @@ def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str,
 
     shutil.rmtree(out_dir, ignore_errors=True)  # randomized response reuses a saved draw: never one of an older run
     m, seed = args.max_samples_per_user, args.reward_training_seed
-    privacy = dict(privacy_mechanism=mechanism, target_epsilon=None if noise_free else epsilon, target_delta=args.delta,
-                   accountant="pld", neighboring_relation=args.neighboring_relation, per_user_max_grad_norm=1.0,
-                   max_samples_per_user=m, users_per_batch=args.users_per_batch, privacy_seed=privacy_seed,
-                   noise_multiplier=0.0 if noise_free else None)
+    fixed = 0.0 if noise_free else noise_multiplier
+    privacy = dict(privacy_mechanism=mechanism, target_epsilon=epsilon if fixed is None else None,
+                   target_delta=args.delta, accountant="pld", neighboring_relation=args.neighboring_relation,
+                   per_user_max_grad_norm=1.0, max_samples_per_user=m, users_per_batch=args.users_per_batch,
+                   privacy_seed=privacy_seed, noise_multiplier=fixed)
     if needs_public_tau(mechanism):
         privacy.update(concentration_radius=tau)
         if aup_takes_every_user:
