@@ -264,7 +264,8 @@ def run_cell(cell: Cell) -> Dict[str, Any]:
     extra = report.extra or {}
     return {**dataclasses.asdict(cell), "series": cell.series, "accuracy": _accuracy(model.head, s["eval_pairs"]),
             "epsilon_spent": None if math.isinf(report.epsilon) else report.epsilon,
-            "steps_taken": report.steps_taken, "halted": extra.get("halted"), "report": dataclasses.asdict(report),
+            "steps_taken": report.steps_taken, "halted": extra.get("halted"), "sigma": report.noise_multiplier,
+            "report": dataclasses.asdict(report),  # for GRPO's reward model; not written
             "final_clip": report.per_user_max_grad_norm if cell.mechanism == "user_dpsgd_adaptive_clip" else None,
             "head": {k: v.tolist() for k, v in model.head.state_dict().items()}, "seconds": time.time() - start}
 
@@ -654,7 +655,8 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
                     "learning_rate": {"|".join(map(str, k)): v for k, v in chosen.items()},
                     "public_noise_multiplier": {"|".join(map(str, k)): v for k, v in public_sigma.items()}},
            "data_card": data.card, "tau": payload["tau"],
-           "tuning": tuning, "results": [{k: v for k, v in r.items() if k != "head"} for r in results],  # no weights
+           "tuning": tuning,  # no weights and no whole reports: summaries
+           "results": [{k: v for k, v in r.items() if k not in ("head", "report")} for r in results],
            "summary": summary, "aup_regime": regime, "table": table,
            "reached_table": reached_table, "aup_table": regime_table + "\n" + halts, "tuning_table": tuning_table,
            "reproduction": reproduction, "reproduction_table": reproduction_table}
