@@ -141,7 +141,8 @@ def privacy_state_of(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def load_training_state(checkpoint: Dict[str, Any], module: torch.nn.Module, optimizer: Any = None,
-                        schedulers: Optional[Dict[str, Any]] = None, module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
+                        schedulers: Optional[Dict[str, Any]] = None,
+                        module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
                         ) -> Dict[str, Any]:
     """What Opacus's ``load_checkpoint`` loads from a one-file checkpoint besides the accountant: the module, the
     optimizer and the schedulers (call it once the privacy state is checked and restored).

@@ -29,7 +29,13 @@ from .grad_sample.ghost import PACKABLE
 from .mechanisms import GradientMechanism, gradient_mechanism
 from .optimizers import PrivacyBudgetExhausted, UserDPOptimizer, get_optimizer_class
 from .setup_options import SetupOptions
-from .validators import check_max_samples_per_user, check_noise_or_target, check_steps, check_target, warn_if_delta_is_large
+from .validators import (
+    check_max_samples_per_user,
+    check_noise_or_target,
+    check_steps,
+    check_target,
+    warn_if_delta_is_large,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ class PrivacyBudget:
     epsilon: float
     delta: float
     calibrated_steps: Optional[int] = None
-    _affordable: Dict[Tuple[float, float], int] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    _affordable: Dict[Tuple[float, float], int] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                                    compare=False)
 
     def allows_step(self, accountant: DPAccountingAccountant, noise_multiplier: float, sample_rate: float) -> bool:
         """Whether one more step at (σ, q) stays within the budget, read from the accountant's history (so it

@@ -28,8 +28,8 @@ class PrivacyBudgetCallback(TrainerCallback):
         if reason is not None:
             if not control.should_training_stop:
                 logger.warning(
-                    "Stopping: %s after %d private steps (ε = %.4g at δ = %g).", reason, engine.accountant.steps_taken, engine.get_epsilon(self.trainer.args.target_delta),
-                    self.trainer.args.target_delta,
+                    "Stopping: %s after %d private steps (ε = %.4g at δ = %g).", reason, engine.accountant.steps_taken,
+                    engine.get_epsilon(self.trainer.args.target_delta), self.trainer.args.target_delta,
                 )
             control.should_training_stop = True
         return control
