@@ -24,7 +24,7 @@ clip only; aup: no Gaussian noise, AboveThreshold without Laplace noise); random
 learning rate (``none [lr η]``): the step size apart from clipping and noise. At n = 400 every mechanism also runs with
 the main job's settings, against its committed accuracies (docs/pipeline_results.json).
 
-    python -m benchmarks.users_scaling                    # the full grid, 3 seeds, and GRPO at the largest n: 15 min
+    python -m benchmarks.users_scaling                    # the full grid, 3 seeds, and GRPO at the largest n: 47 min (2 cores)
     python -m benchmarks.users_scaling --n_users 100 200 --seeds 2 --epsilons 8 --no_rl   # seconds
 """
 
