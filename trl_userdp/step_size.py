@@ -3,7 +3,7 @@
 A private step releases the average of ñ clipped per-user gradients plus Gaussian noise of standard deviation σC/ñ per
 coordinate (user-wise DP-SGD; docs/mechanisms.md). σ follows from ε, δ, q = ñ/n and T, so a team knows this noise
 before it trains, and the step size that works depends on it: a step tuned without noise, or at another n, is too
-large where the noise dominates and too small where it has faded. The rule (docs/users_scaling.md, "The step size"):
+large where the noise dominates and too small where it has faded. The rule (docs/users_scaling.md, "Set-up"):
 train each candidate step size on public users (never the private users, never held-out data) with the clip of the
 private run and the fixed noise multiplier that puts the same noise on their averaged gradient,
 σ_pub = σ·ñ_pub/ñ (:func:`public_noise_multiplier`), score each on other public users' pairs, and keep the best

@@ -45,7 +45,7 @@ class AccountArguments:
     public_users_per_batch: Optional[float] = dataclasses.field(default=None, metadata={
         "help": "Expected users per step ñ_pub of a run on public users that chooses the learning rate: prints, for "
                 "user-wise DP-SGD, the noise on the averaged gradient σC/ñ and the σ_pub that gives the public run the "
-                "same noise (docs/users_scaling.md, 'The step size')."})
+                "same noise (docs/users_scaling.md, 'Set-up')."})
 
 
 def walkthrough_rows(setting, epsilons: Sequence[float], mechanisms: Optional[Sequence[type]] = None,
