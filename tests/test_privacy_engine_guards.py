@@ -196,3 +196,21 @@ def test_opacus_secure_rng_advice_is_replaced_by_one_info_line(caplog):
         trl_userdp.PrivacyEngine()
     assert not [w for w in caught if "Secure RNG" in str(w.message)]
     assert any("not a cryptographic RNG" in r.message for r in caplog.records)
+
+
+def test_a_privacy_state_without_its_accountant_is_refused_in_one_line(tmp_path):
+    """A checkpoint folder whose privacy_state.pt (or the earlier privacy.pt) lost its accountant is refused with the
+    reason, in either layout, instead of a KeyError (issue 43)."""
+    from trl_userdp import checkpoints
+
+    torch.save({"optimizer": {}}, tmp_path / "privacy_state.pt")
+    with pytest.raises(ValueError, match="holds no accountant state: resuming would reset the accountant"):
+        checkpoints.read_privacy_state(str(tmp_path))
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    torch.save({"trl_userdp_optimizer_state": {}, "epoch": 3}, legacy / "privacy.pt")
+    with pytest.raises(ValueError, match="privacy.pt holds no accountant state"):
+        checkpoints.read_privacy_state(str(legacy))
+    torch.save({"privacy_accountant_state_dict": {"history": []}, "epoch": 3}, legacy / "privacy.pt")
+    assert checkpoints.read_privacy_state(str(legacy)) == {"accountant": {"history": []}, "optimizer": {},
+                                                           "entries": {"epoch": 3}}

@@ -96,13 +96,16 @@ def read_privacy_state(folder: str, **torch_load_kwargs: Any) -> Dict[str, Any]:
     path = os.path.join(folder, PRIVACY_STATE_FILE)
     if os.path.isfile(path):
         state = load_plain(path, **torch_load_kwargs)
+        if not isinstance(state, dict) or "accountant" not in state:
+            raise ValueError(f"{path} holds no accountant state: resuming would reset the accountant.")
         return {"accountant": state["accountant"], "optimizer": state.get("optimizer", {}),
                 "entries": state.get("entries", {})}
     legacy = os.path.join(folder, LEGACY_PRIVACY_FILE)
     if os.path.isfile(legacy):  # the engine's earlier layout: Opacus's keys beside the caller's entries
         entries = load_plain(legacy, **torch_load_kwargs)
-        return {"accountant": entries.pop("privacy_accountant_state_dict"),
-                "optimizer": entries.pop(OPTIMIZER_STATE_KEY, {}), "entries": entries}
+        state = privacy_state_of(entries, source=legacy)
+        return {**state, "entries": {k: v for k, v in entries.items()
+                                     if k not in ("privacy_accountant_state_dict", OPTIMIZER_STATE_KEY)}}
     raise ValueError(f"{folder} has no {PRIVACY_STATE_FILE}: resuming would reset the accountant.")
 
 
@@ -127,15 +130,21 @@ def save_sharded(folder: str, module: torch.nn.Module, optimizer: Optional[torch
         torch.distributed.barrier()
 
 
-def privacy_state_of(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+def privacy_state_of(checkpoint: Dict[str, Any], source: str = "checkpoint") -> Dict[str, Any]:
     """The privacy state of the engine's one-file checkpoint (Opacus's format).
 
     Args:
         checkpoint: the loaded checkpoint.
+        source: names the checkpoint in the message.
 
     Returns:
         ``{"accountant": ..., "optimizer": ...}``.
+
+    Raises:
+        ValueError: the checkpoint holds no accountant state (resuming would reset the accountant).
     """
+    if not isinstance(checkpoint, dict) or "privacy_accountant_state_dict" not in checkpoint:
+        raise ValueError(f"{source} holds no accountant state: resuming would reset the accountant.")
     return {"accountant": checkpoint["privacy_accountant_state_dict"],
             "optimizer": checkpoint.get(OPTIMIZER_STATE_KEY, {})}
 
@@ -340,7 +349,7 @@ class EngineCheckpoints:
         sharded = distributed.is_sharded(module)  # a folder in this module's layout, else Opacus's one file
         checkpoint = None if sharded else load_plain(path, **(torch_load_kwargs or {}))
         state = (read_privacy_state(path, **(torch_load_kwargs or {})) if sharded
-                 else privacy_state_of(checkpoint))
+                 else privacy_state_of(checkpoint, source=str(path)))
         self.restore_privacy_state(state["accountant"], state["optimizer"], source=str(path))  # checked first
         if sharded:
             load_shards(path, module, optimizer, with_model=True)
