@@ -65,7 +65,7 @@ NOISE_FOLLOWING = ("user_dpsgd", "user_dpsgd_adaptive_clip", "group")
 
 
 class AUPNoiseFree(AUPRLHF):
-    """AUP-RLHF's control (this benchmark only, registered while it runs: :func:`_registered_control`): its sampling,
+    """AUP-RLHF's control (this benchmark only, registered while it runs: :func:`registered_control`): its sampling,
     concentration score, AboveThreshold and outlier removal, with no Gaussian noise and no Laplace noise (AboveThreshold
     compares the exact score). No privacy: ε = ∞."""
 
@@ -173,6 +173,10 @@ class Cell:
     variant: str = ""
     #: a fixed σ instead of the target ε: the public tuning runs at a cell's noise level
     noise_multiplier: Optional[float] = None
+    #: ñ, where not the rule's 2√n (benchmarks.aup_regime)
+    users_per_batch: Optional[float] = None
+    #: AUP-RLHF's τ, or the clip C of the others, where not the public τ and C = 1 (benchmarks.aup_regime)
+    radius: Optional[float] = None
 
     @property
     def series(self) -> str:
@@ -184,7 +188,7 @@ _STATE: Dict[str, Any] = {}
 
 
 @contextlib.contextmanager
-def _registered_control():
+def registered_control():
     """AUP-RLHF's noise-free control in the mechanism registry while the benchmark runs, and out of it afterwards (it
     gives no privacy; nothing else may find it by name)."""
     register_mechanism(AUPNoiseFree)
@@ -230,7 +234,7 @@ def _train(cell: Cell, pairs: np.ndarray, users: np.ndarray, n: int, key: Any) -
     key = (key, cell.mechanism == "randomized_response" and not cell.control)
     if key not in s["datasets"]:
         s["datasets"][key] = _dataset(pairs, users, text=key[1])
-    args = PipelineArguments(n_users=n, max_samples_per_user=s["m"], users_per_batch=users_per_batch(n),
+    args = PipelineArguments(n_users=n, max_samples_per_user=s["m"], users_per_batch=cell.users_per_batch or users_per_batch(n),
                              reward_lr=cell.learning_rate, delta=s["delta"], seed=cell.seed, mechanisms=["none"],
                              output_dir=s["work_dir"])
     torch.manual_seed(cell.seed)
@@ -241,10 +245,12 @@ def _train(cell: Cell, pairs: np.ndarray, users: np.ndarray, n: int, key: Any) -
     mechanism = CONTROL_OF.get(cell.mechanism, cell.mechanism) if cell.control else cell.mechanism
     noise_free = cell.control and mechanism != "none"
     out_dir = os.path.join(s["work_dir"], f"worker{os.getpid()}")
+    aup = mechanism.startswith("aup")
     report = fit_reward_model(model, s["datasets"][key], mechanism, None if mechanism == "none" else cell.epsilon, args,
-                              STEPS, out_dir, s["tau"], processing_class=tokenizer, data_collator=pool_pair_collator,
-                              noise_free=noise_free, aup_takes_every_user=cell.variant == MAIN_JOB,
-                              noise_multiplier=cell.noise_multiplier)
+                              STEPS, out_dir, cell.radius if aup and cell.radius else s["tau"], processing_class=tokenizer,
+                              data_collator=pool_pair_collator, noise_free=noise_free,
+                              aup_takes_every_user=cell.variant == MAIN_JOB, noise_multiplier=cell.noise_multiplier,
+                              max_grad_norm=cell.radius if cell.radius and not aup else 1.0)
     return model, report
 
 
@@ -280,10 +286,11 @@ def tune_cell(cell: Cell) -> Dict[str, Any]:
     score on the validation users."""
     s = _STATE
     n = int(s["public_users"].max()) + 1
-    model, _ = _train(cell, s["public_pairs"], s["public_users"], n, "public")
+    model, report = _train(cell, s["public_pairs"], s["public_users"], n, "public")
     return {"mechanism": cell.mechanism, "epsilon": cell.epsilon, "n": cell.n or None, "learning_rate": cell.learning_rate,
-            "noise_multiplier": cell.noise_multiplier, "seed": cell.seed,
-            "validation_accuracy": _accuracy(model.head, s["validation_pairs"])}
+            "halted": (report.extra or {}).get("halted"),
+            "noise_multiplier": cell.noise_multiplier, "seed": cell.seed, "radius": cell.radius,
+            "users_per_batch": cell.users_per_batch, "validation_accuracy": _accuracy(model.head, s["validation_pairs"])}
 
 
 def tuning_key(mechanism: str, epsilon: Optional[float], n: int) -> Tuple[str, Optional[float], Optional[int]]:
@@ -308,7 +315,53 @@ def target_sigma(mechanism: str, n: int, epsilon: float, m: int, delta: float) -
     return accountant.calibrate(*mech.budget(epsilon, delta), sample_rate=n_tilde / n, steps=STEPS)
 
 
-def _map(fn, items: List[Any], pool, desc: str) -> List[Any]:
+def make_payload(data: ScalingData, opts: argparse.Namespace) -> Dict[str, Any]:
+    """What every worker reads: the pool's MiniLM embeddings (cached in ``opts.work_dir`` by data seed, pool and
+    held-out size), the index arrays, m, δ and the work folder.
+
+    Args:
+        data: the users, public users and held-out pairs.
+        opts: the run's options (``m``, ``delta``, ``data_seed``, ``pool``, ``eval_pairs``, ``work_dir``).
+
+    Returns:
+        The payload (its ``tau`` is the caller's to set).
+    """
+    from trl_userdp.experiments.pipeline.embedding_reward import MiniLMEncoder
+
+    os.makedirs(opts.work_dir, exist_ok=True)
+    cached = os.path.join(opts.work_dir, f"embeddings_seed{opts.data_seed}_pool{opts.pool}_eval{opts.eval_pairs}.pt")
+    if os.path.exists(cached):
+        embeddings = torch.load(cached)
+    else:
+        embeddings = MiniLMEncoder()(data.pool, progress=True)
+        torch.save(embeddings, cached)
+    return {"embeddings": embeddings, "pairs": data.pairs, "users": data.users, "public_pairs": data.public_pairs,
+            "public_users": data.public_users, "validation_pairs": data.validation_pairs,
+            "eval_pairs": data.eval_pairs, "m": opts.m, "delta": opts.delta, "work_dir": opts.work_dir}
+
+
+def start_workers(payload: Dict[str, Any], opts: argparse.Namespace):
+    """Save the payload and start ``opts.workers`` spawned processes (one thread each) that load it; with one worker,
+    load it into this process instead.
+
+    Args:
+        payload: :func:`make_payload`'s, with its ``tau``.
+        opts: the run's options (``workers``, ``work_dir``).
+
+    Returns:
+        The pool, or None (one worker: this process).
+    """
+    import multiprocessing
+
+    path = os.path.join(opts.work_dir, "payload.pt")
+    torch.save({k: torch.from_numpy(v) if k in ARRAYS else v for k, v in payload.items()}, path)
+    if opts.workers > 1:
+        return multiprocessing.get_context("spawn").Pool(opts.workers, _init_worker, (path, 1))
+    _init_worker(path, torch.get_num_threads())
+    return None
+
+
+def map_cells(fn, items: List[Any], pool, desc: str) -> List[Any]:
     """``fn`` over ``items`` in the worker pool (or in this process), with a progress bar."""
     return list(tqdm((pool.imap_unordered(fn, items) if pool else map(fn, items)), total=len(items), desc=desc))
 
@@ -527,7 +580,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     opts = parser.parse_args(argv)
     if "none" not in opts.mechanisms:
         parser.error("the non-private line is the reference: keep 'none' in --mechanisms")
-    with _registered_control():
+    with registered_control():
         return _run(opts)
 
 
@@ -537,27 +590,9 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
     os.makedirs(opts.work_dir, exist_ok=True)
     n_grid = sorted(opts.n_users)
     data = build_scaling_data(max(n_grid), opts.m, opts.pool, opts.public_users, opts.eval_pairs, opts.data_seed)
-    from trl_userdp.experiments.pipeline.embedding_reward import MiniLMEncoder
-
-    cached = os.path.join(opts.work_dir, f"embeddings_seed{opts.data_seed}_pool{opts.pool}_eval{opts.eval_pairs}.pt")
-    if os.path.exists(cached):
-        embeddings = torch.load(cached)
-    else:
-        embeddings = MiniLMEncoder()(data.pool, progress=True)
-        torch.save(embeddings, cached)
-    payload = {"embeddings": embeddings, "pairs": data.pairs, "users": data.users, "public_pairs": data.public_pairs,
-               "public_users": data.public_users, "validation_pairs": data.validation_pairs,
-               "eval_pairs": data.eval_pairs, "m": opts.m, "delta": opts.delta, "work_dir": opts.work_dir}
+    payload = make_payload(data, opts)
     payload["tau"] = _public_tau(payload) if "aup" in opts.mechanisms else None
-    path = os.path.join(opts.work_dir, "payload.pt")
-    torch.save({k: torch.from_numpy(v) if k in ARRAYS else v for k, v in payload.items()}, path)
-
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    pool = context.Pool(opts.workers, _init_worker, (path, 1)) if opts.workers > 1 else None
-    if pool is None:
-        _init_worker(path, torch.get_num_threads())
+    pool = start_workers(payload, opts)
     try:
         # the rule's learning rate, on the public users (seed 0): the same candidates for every mechanism; the
         # noise-following ones at each cell's noise, σ_pub = σ·ñ_pub/ñ (trl_userdp.step_size)
@@ -567,7 +602,7 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
         public_sigma = {k: public_noise_multiplier(target_sigma(k[0], k[2], k[1], opts.m, opts.delta),
                                                    users_per_batch(k[2]), users_per_batch(opts.public_users))
                         for k in keys if k[0] in NOISE_FOLLOWING}
-        tuning = _map(tune_cell, [Cell(k[0], k[1], False, k[2] or 0, 0, rate, noise_multiplier=public_sigma.get(k))
+        tuning = map_cells(tune_cell, [Cell(k[0], k[1], False, k[2] or 0, 0, rate, noise_multiplier=public_sigma.get(k))
                                   for k in keys for rate in opts.learning_rates], pool, "public tuning")
         chosen = {}
         for k in keys:
@@ -606,7 +641,7 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
         for c in plan:
             tasks.setdefault((family.get(c.mechanism, c.mechanism), c.epsilon, c.control), []).append(c)
         ordered = sorted(tasks.values(), key=lambda cs: -sum(c.n for c in cs) * (1 + 3 * (cs[0].epsilon is not None)))
-        results = [r for rs in _map(run_cells, ordered, pool, "reward-model tasks") for r in rs]
+        results = [r for rs in map_cells(run_cells, ordered, pool, "reward-model tasks") for r in rs]
     finally:
         if pool is not None:
             pool.close()

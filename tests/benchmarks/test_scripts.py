@@ -158,6 +158,43 @@ def test_users_scaling_runs_every_mechanism_with_its_control_in_a_tiny_grid(tmp_
     assert "aup_noise_free" not in mechanism_names()  # the control (no privacy) is registered only while it runs
 
 
+@pytest.mark.slow  # a minute of CPU: benchmarks are opt-in runs (its choice of candidate is tested below)
+def test_aup_regime_tunes_both_radii_alike_and_runs_each_mechanism_beside_its_controls(tmp_path):
+    from benchmarks import aup_regime
+
+    out = aup_regime.main(["--n_users", "40", "--users_per_batch", "20", "--seeds", "2", "--learning_rates", "0.5", "2",
+                           "--scales", "1", "2", "--pool", "200", "--eval_pairs", "60", "--workers", "1",
+                           "--out", str(tmp_path), "--work_dir", str(tmp_path / "runs")])
+    # the same search for both private mechanisms: every radius with every learning rate, on 40 public users at ñ = 20
+    for mech, base in (("aup", out["tau0"]), ("user_dpsgd", 1.0)):
+        grid = {(t["radius"], t["learning_rate"]) for t in out["tuning"] if t["mechanism"] == mech}
+        assert grid == {(s * base, lr) for s in (1, 2) for lr in (0.5, 2)}
+    assert all(t["n"] == 40 and t["users_per_batch"] == 20 and t["epsilon"] == (None if t["mechanism"] == "none" else 3)
+               for t in out["tuning"])
+    chosen = out["chosen"]
+    series = {r["series"] for r in out["results"]}
+    expected = {"none", "aup", "user_dpsgd"} | {f"{m} (σ = 0) [lr {chosen[m]['learning_rate']:g}]" for m in ("aup", "user_dpsgd")}
+    assert series == expected | {f"none [lr {lr:g}]" for lr in {chosen[m]["learning_rate"] for m in ("aup", "user_dpsgd")}
+                                 - {chosen["none"]["learning_rate"]}}
+    for r in out["results"]:
+        assert r["users_per_batch"] == 20 and r["n"] == 40 and len([x for x in out["results"] if x["series"] == r["series"]]) == 2
+        if r["mechanism"] != "none":  # each private cell and its control at the chosen radius and step
+            assert (r["radius"], r["learning_rate"]) == (chosen[r["mechanism"]]["radius"], chosen[r["mechanism"]]["learning_rate"])
+        assert (r["epsilon_spent"] is None) == (r["epsilon"] is None)
+        assert r["epsilon_spent"] is None or 0 < r["epsilon_spent"] <= 3.0 + 1e-6
+    assert set(out["comparisons"]) >= {"aup − user_dpsgd", "aup − its σ = 0 control", "user_dpsgd − its σ = 0 control"}
+    assert os.path.exists(tmp_path / "aup_regime.json")
+
+
+def test_aup_regime_picks_the_best_public_run_and_the_smaller_step_on_a_tie():
+    from benchmarks.aup_regime import best_candidate
+
+    runs = [{"mechanism": "aup", "radius": r, "learning_rate": lr, "validation_accuracy": a}
+            for r, lr, a in ((1.0, 0.5, 0.70), (2.0, 0.5, 0.74), (2.0, 2.0, 0.74), (1.0, 2.0, 0.60))]
+    runs.append({"mechanism": "user_dpsgd", "radius": 1.0, "learning_rate": 8.0, "validation_accuracy": 0.9})
+    assert best_candidate(runs, "aup") == runs[1]
+
+
 def test_users_scaling_finds_the_smallest_n_within_a_point_of_each_reference():
     """The verdict's table: per (mechanism, ε), the first n whose seed mean is within 1 point of the tuned non-private
     mean, and of the non-private mean at the mechanism's own learning rate."""

@@ -88,9 +88,9 @@ def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str,
                      args: PipelineArguments, steps: int, out_dir: str, tau: Optional[float] = None, *,
                      processing_class=None, data_collator=None, noise_free: bool = False,
                      aup_takes_every_user: bool = True, privacy_seed: Optional[int] = None,
-                     noise_multiplier: Optional[float] = None) -> PrivacyReport:
+                     noise_multiplier: Optional[float] = None, max_grad_norm: float = 1.0) -> PrivacyReport:
     """Train a reward model in place with :class:`~trl_userdp.trainers.UserDPRewardTrainer`: ``steps`` steps of ñ·m
-    pairs (each step's users drawn by Poisson sampling under the DP-SGD family), SGD at ``reward_lr``, C = 1, the
+    pairs (each step's users drawn by Poisson sampling under the DP-SGD family), SGD at ``reward_lr``, C = 1 unless told, the
     pipeline's seed, bf16 autocast; AUP-RLHF takes every user in every step (it halts on small Poisson batches) unless
     told otherwise.
 
@@ -112,6 +112,7 @@ def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str,
             release must).
         noise_multiplier: a fixed σ instead of the target ε (no ε): the step-size rule's runs on public users at a
             private run's noise level (:func:`~trl_userdp.step_size.public_noise_multiplier`).
+        max_grad_norm: the per-user clip C (the adaptive clip's start).
 
     Returns:
         The trainer's privacy report.
@@ -123,7 +124,7 @@ def fit_reward_model(model: MiniLMRewardModel, dataset: Dataset, mechanism: str,
     fixed = 0.0 if noise_free else noise_multiplier
     privacy = dict(privacy_mechanism=mechanism, target_epsilon=epsilon if fixed is None else None,
                    target_delta=args.delta, accountant="pld", neighboring_relation=args.neighboring_relation,
-                   per_user_max_grad_norm=1.0, max_samples_per_user=m, users_per_batch=args.users_per_batch,
+                   per_user_max_grad_norm=max_grad_norm, max_samples_per_user=m, users_per_batch=args.users_per_batch,
                    privacy_seed=privacy_seed, noise_multiplier=fixed)
     if needs_public_tau(mechanism):
         privacy.update(concentration_radius=tau)
