@@ -234,9 +234,9 @@ def _train(cell: Cell, pairs: np.ndarray, users: np.ndarray, n: int, key: Any) -
     key = (key, cell.mechanism == "randomized_response" and not cell.control)
     if key not in s["datasets"]:
         s["datasets"][key] = _dataset(pairs, users, text=key[1])
-    args = PipelineArguments(n_users=n, max_samples_per_user=s["m"], users_per_batch=cell.users_per_batch or users_per_batch(n),
-                             reward_lr=cell.learning_rate, delta=s["delta"], seed=cell.seed, mechanisms=["none"],
-                             output_dir=s["work_dir"])
+    args = PipelineArguments(n_users=n, max_samples_per_user=s["m"],
+                             users_per_batch=cell.users_per_batch or users_per_batch(n), reward_lr=cell.learning_rate,
+                             delta=s["delta"], seed=cell.seed, mechanisms=["none"], output_dir=s["work_dir"])
     torch.manual_seed(cell.seed)
     tokenizer = s["tokenizer"]
     config = MiniLMRewardConfig(hidden_size=s["embeddings"].shape[1], pad_token_id=tokenizer.pad_token_id,
@@ -247,8 +247,8 @@ def _train(cell: Cell, pairs: np.ndarray, users: np.ndarray, n: int, key: Any) -
     out_dir = os.path.join(s["work_dir"], f"worker{os.getpid()}")
     aup = mechanism.startswith("aup")
     report = fit_reward_model(model, s["datasets"][key], mechanism, None if mechanism == "none" else cell.epsilon, args,
-                              STEPS, out_dir, cell.radius if aup and cell.radius else s["tau"], processing_class=tokenizer,
-                              data_collator=pool_pair_collator, noise_free=noise_free,
+                              STEPS, out_dir, cell.radius if aup and cell.radius else s["tau"],
+                              processing_class=tokenizer, data_collator=pool_pair_collator, noise_free=noise_free,
                               aup_takes_every_user=cell.variant == MAIN_JOB, noise_multiplier=cell.noise_multiplier,
                               max_grad_norm=cell.radius if cell.radius and not aup else 1.0)
     return model, report

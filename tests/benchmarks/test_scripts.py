@@ -171,15 +171,16 @@ def test_aup_regime_tunes_both_radii_alike_and_runs_each_mechanism_beside_its_co
         assert grid == {(s * base, lr) for s in (1, 2) for lr in (0.5, 2)}
     assert all(t["n"] == 40 and t["users_per_batch"] == 20 and t["epsilon"] == (None if t["mechanism"] == "none" else 3)
                for t in out["tuning"])
-    chosen = out["chosen"]
-    series = {r["series"] for r in out["results"]}
-    expected = {"none", "aup", "user_dpsgd"} | {f"{m} (σ = 0) [lr {chosen[m]['learning_rate']:g}]" for m in ("aup", "user_dpsgd")}
-    assert series == expected | {f"none [lr {lr:g}]" for lr in {chosen[m]["learning_rate"] for m in ("aup", "user_dpsgd")}
-                                 - {chosen["none"]["learning_rate"]}}
+    chosen, private = out["chosen"], ("aup", "user_dpsgd")
+    rates = {chosen[m]["learning_rate"] for m in private}
+    expected = {"none", *private} | {f"{m} (σ = 0) [lr {chosen[m]['learning_rate']:g}]" for m in private}
+    series = [r["series"] for r in out["results"]]
+    assert set(series) == expected | {f"none [lr {lr:g}]" for lr in rates - {chosen["none"]["learning_rate"]}}
     for r in out["results"]:
-        assert r["users_per_batch"] == 20 and r["n"] == 40 and len([x for x in out["results"] if x["series"] == r["series"]]) == 2
+        assert r["users_per_batch"] == 20 and r["n"] == 40 and series.count(r["series"]) == 2  # ñ, n and the seeds
         if r["mechanism"] != "none":  # each private cell and its control at the chosen radius and step
-            assert (r["radius"], r["learning_rate"]) == (chosen[r["mechanism"]]["radius"], chosen[r["mechanism"]]["learning_rate"])
+            mine = chosen[r["mechanism"]]
+            assert (r["radius"], r["learning_rate"]) == (mine["radius"], mine["learning_rate"])
         assert (r["epsilon_spent"] is None) == (r["epsilon"] is None)
         assert r["epsilon_spent"] is None or 0 < r["epsilon_spent"] <= 3.0 + 1e-6
     assert set(out["comparisons"]) >= {"aup − user_dpsgd", "aup − its σ = 0 control", "user_dpsgd − its σ = 0 control"}
