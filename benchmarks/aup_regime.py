@@ -25,12 +25,10 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
 
 from benchmarks.common import RESULTS_DIR, fmt, mean_ci, print_table, write_results
-from benchmarks.users_scaling import (STEPS, Cell, build_scaling_data, make_payload, map_cells, registered_control,
-                                      run_cells, start_workers, tune_cell)
-from trl_userdp.mechanisms.aup import default_max_users_per_batch, split_budget, survival_probability
+from benchmarks.users_scaling import (STEPS, Cell, build_scaling_data, make_payload, map_cells, payload_tau,
+                                      registered_control, run_cells, start_workers, survival_table, tune_cell)
 
 #: the private mechanisms compared, and the radius each searches (AUP-RLHF's τ, user-wise DP-SGD's clip C)
 PRIVATE = {"aup": "τ", "user_dpsgd": "C"}
@@ -48,19 +46,6 @@ def best_candidate(tuning: List[Dict[str, Any]], mechanism: str) -> Dict[str, An
     """
     rows = [t for t in tuning if t["mechanism"] == mechanism]
     return max(rows, key=lambda t: (t["validation_accuracy"], -t["learning_rate"], -(t["radius"] or 0)))
-
-
-def _public_tau(payload: Dict[str, Any], users_per_batch: int) -> float:
-    """τ₀: :func:`~trl_userdp.experiments.pipeline.reward.tau_from_public_users` on the first ñ public users at seed 0's
-    initial head (the distances a step's score counts)."""
-    from trl_userdp.experiments.pipeline.embedding_reward import MiniLMRewardConfig, PoolRewardModel
-    from trl_userdp.experiments.pipeline.reward import tau_from_public_users
-
-    emb = payload["embeddings"]
-    torch.manual_seed(0)
-    head = PoolRewardModel(MiniLMRewardConfig(hidden_size=emb.shape[1], pad_token_id=0, eos_token_id=0), emb).head
-    rows = payload["public_users"] < users_per_batch
-    return tau_from_public_users(head, emb, payload["public_pairs"][rows], payload["public_users"][rows], 0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -93,7 +78,7 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
     n, n_tilde, eps = opts.n_users, float(opts.users_per_batch), opts.epsilon
     data = build_scaling_data(n, opts.m, opts.pool, n, opts.eval_pairs, opts.data_seed)
     payload = make_payload(data, opts)
-    payload["tau"] = tau0 = _public_tau(payload, opts.users_per_batch)
+    payload["tau"] = tau0 = payload_tau(payload, opts.users_per_batch)
     base = {"aup": tau0, "user_dpsgd": 1.0}
     pool = start_workers(payload, opts)
     try:
@@ -130,8 +115,7 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
     by_series: Dict[str, List[Dict[str, Any]]] = {}
     for r in results:
         by_series.setdefault(r["series"], []).append(r)
-    svt, _, _ = split_budget(eps, opts.delta, 0.5)
-    survival = survival_probability(n_tilde, default_max_users_per_batch(n_tilde), svt, STEPS)
+    survival = survival_table([eps], opts.delta, [n_tilde])[0]["survival"]
     print(f"\nHeld-out pair accuracy ({opts.eval_pairs} pairs), mean ± 95% half-width over {opts.seeds} seeds; n = {n:,}, "
           f"ñ = {n_tilde:g}, T = {STEPS}, ε = {eps:g}, δ = {opts.delta:g}; AboveThreshold's best-case survival "
           f"{survival:.3f}")

@@ -228,7 +228,7 @@ def _train(cell: Cell, pairs: np.ndarray, users: np.ndarray, n: int, key: Any) -
     """Train one reward model with the rule on the given users; the dataset is built once per ``key``."""
     from trl_userdp.experiments.pipeline import PipelineArguments
     from trl_userdp.experiments.pipeline.embedding_reward import MiniLMRewardConfig, PoolRewardModel, pool_pair_collator
-    from trl_userdp.experiments.pipeline.reward import fit_reward_model
+    from trl_userdp.experiments.pipeline.reward import fit_reward_model, needs_public_tau
 
     s = _STATE
     key = (key, cell.mechanism == "randomized_response" and not cell.control)
@@ -245,12 +245,12 @@ def _train(cell: Cell, pairs: np.ndarray, users: np.ndarray, n: int, key: Any) -
     mechanism = CONTROL_OF.get(cell.mechanism, cell.mechanism) if cell.control else cell.mechanism
     noise_free = cell.control and mechanism != "none"
     out_dir = os.path.join(s["work_dir"], f"worker{os.getpid()}")
-    aup = mechanism.startswith("aup")
+    tau = needs_public_tau(mechanism)  # the cell's radius is τ for AUP-RLHF, the clip C for the others
     report = fit_reward_model(model, s["datasets"][key], mechanism, None if mechanism == "none" else cell.epsilon, args,
-                              STEPS, out_dir, cell.radius if aup and cell.radius else s["tau"],
+                              STEPS, out_dir, (cell.radius if tau else None) or s["tau"],
                               processing_class=tokenizer, data_collator=pool_pair_collator, noise_free=noise_free,
                               aup_takes_every_user=cell.variant == MAIN_JOB, noise_multiplier=cell.noise_multiplier,
-                              max_grad_norm=cell.radius if cell.radius and not aup else 1.0)
+                              max_grad_norm=(None if tau else cell.radius) or 1.0)
     return model, report
 
 
@@ -366,9 +366,18 @@ def map_cells(fn, items: List[Any], pool, desc: str) -> List[Any]:
     return list(tqdm((pool.imap_unordered(fn, items) if pool else map(fn, items)), total=len(items), desc=desc))
 
 
-def _aup_regime(epsilons: Sequence[float], delta: float, grid: Sequence[int]) -> List[Dict[str, Any]]:
+def survival_table(epsilons: Sequence[float], delta: float, grid: Sequence[float]) -> List[Dict[str, Any]]:
     """Best-case survival of AboveThreshold over T = 50 queries, per ñ and ε (every sampled user within τ of every other:
-    only the Poisson count and the Laplace noise can halt it)."""
+    only the Poisson count and the Laplace noise can halt it).
+
+    Args:
+        epsilons: the runs' ε (AboveThreshold spends half).
+        delta: their δ.
+        grid: users per step ñ.
+
+    Returns:
+        One row per (ε, ñ): ``epsilon``, ``users_per_batch``, ``survival``.
+    """
     rows = []
     for eps in epsilons:
         svt, _, _ = split_budget(eps, delta, 0.5)
@@ -587,11 +596,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 def _run(opts: argparse.Namespace) -> Dict[str, Any]:
     """The benchmark: data, embeddings, the public tuning, the grid, the tables, GRPO, the results file and plot."""
     start = time.time()
-    os.makedirs(opts.work_dir, exist_ok=True)
     n_grid = sorted(opts.n_users)
     data = build_scaling_data(max(n_grid), opts.m, opts.pool, opts.public_users, opts.eval_pairs, opts.data_seed)
     payload = make_payload(data, opts)
-    payload["tau"] = _public_tau(payload) if "aup" in opts.mechanisms else None
+    payload["tau"] = payload_tau(payload) if "aup" in opts.mechanisms else None
     pool = start_workers(payload, opts)
     try:
         # the rule's learning rate, on the public users (seed 0): the same candidates for every mechanism; the
@@ -670,7 +678,7 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
                                   r["smallest_n_within_1_point_of_same_rate"] or "not reached",
                                   gap(r["gap_at_largest_n"]), gap(r["gap_at_largest_n_of_same_rate"])]
                                  for r in summary["reached"]])
-    regime = _aup_regime(opts.epsilons, opts.delta, opts.survival_grid)
+    regime = survival_table(opts.epsilons, opts.delta, opts.survival_grid)
     aup_runs = [r for r in results if r["mechanism"] == "aup" and r["variant"] != MAIN_JOB]
     print(f"\nAUP-RLHF's AboveThreshold: best-case survival over T = {STEPS} queries (all users within τ), and the runs")
     regime_table = print_table(["ñ"] + [f"ε = {e:g}" for e in opts.epsilons],
@@ -727,16 +735,27 @@ def _run(opts: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
-def _public_tau(payload: Dict[str, Any]) -> float:
+def payload_tau(payload: Dict[str, Any], max_users: Optional[int] = None) -> float:
     """AUP-RLHF's τ from the public training users at seed 0's initial head, as the cells build it (the main job's
-    rule, :func:`~trl_userdp.experiments.pipeline.reward.tau_from_public_users`; no privacy cost)."""
+    rule, :func:`~trl_userdp.experiments.pipeline.reward.tau_from_public_users`; no privacy cost).
+
+    Args:
+        payload: :func:`make_payload`'s.
+        max_users: only the first this many public users (the distances one step's score counts); None: all.
+
+    Returns:
+        τ.
+    """
     from trl_userdp.experiments.pipeline.embedding_reward import MiniLMRewardConfig, PoolRewardModel
     from trl_userdp.experiments.pipeline.reward import tau_from_public_users
 
-    emb = payload["embeddings"]
+    emb, pairs, users = payload["embeddings"], payload["public_pairs"], payload["public_users"]
+    if max_users is not None:
+        pairs, users = pairs[users < max_users], users[users < max_users]
     torch.manual_seed(0)
     head = PoolRewardModel(MiniLMRewardConfig(hidden_size=emb.shape[1], pad_token_id=0, eos_token_id=0), emb).head
-    return tau_from_public_users(head, emb, payload["public_pairs"], payload["public_users"], 0)
+    return tau_from_public_users(head, emb, pairs, users, 0)
+
 
 if __name__ == "__main__":
     main()
