@@ -112,6 +112,7 @@ def ranks():
         yield {case: [torch.load(Path(d) / f"{case}{r}.pt") for r in range(2)] for case in CASES}
 
 
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("case,clip,upb", [("exact", 1e6, UPB), ("clip", 0.01, 2.0), ("nan", 0.01, 2.0),
                                            ("ghost", 0.01, 2.0)])
 def test_two_processes_take_the_same_steps_as_one(ranks, case, clip, upb):
@@ -136,12 +137,14 @@ def test_two_processes_take_the_same_steps_as_one(ranks, case, clip, upb):
         assert any(one_sided)  # a step where one rank had users and the other none
 
 
+@pytest.mark.end_to_end
 def test_a_check_failing_on_one_rank_stops_every_rank_instead_of_hanging(ranks):
     ranks = ranks["stray"]
     assert "had no backward pass" in ranks[1]["error"]
     assert "Another process failed" in ranks[0]["error"]
 
 
+@pytest.mark.end_to_end
 def test_two_processes_add_one_noise_draw_and_account_like_one(ranks):
     ranks = ranks["noise"]
     torch.testing.assert_close(ranks[0]["updates"], ranks[1]["updates"], rtol=0, atol=0)  # same noise on both

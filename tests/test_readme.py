@@ -120,6 +120,7 @@ def test_each_python_block_runs_with_the_names_it_expects(page, index, tmp_path,
     exec(compile(_cap_steps(code), f"{page} python block", "exec"), known[0]())
 
 
+@pytest.mark.end_to_end
 def test_the_quick_starts_run_as_written(tmp_path, monkeypatch):
     """The README's first two quick starts, as written, with no name from the reader (quick start 3 is the chain
     below). Quick start 1 spends ε on its own data; quick start 2 (the packaged MiniLM, its head alone, the embedded IMDb
@@ -221,6 +222,7 @@ def _succeeded(results):
         assert "written to" in proc.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.end_to_end
 def test_the_command_line_chain_runs_as_written(chain):
     from trl_userdp import PrivacyReport
 
@@ -242,6 +244,7 @@ def test_the_command_line_chain_runs_as_written(chain):
     assert reports["my_rl"].epsilon == pytest.approx(reports["my_reward"].epsilon + reports["my_dpo"].epsilon, rel=1e-6)
 
 
+@pytest.mark.end_to_end
 def test_the_lora_chain_runs_as_written_and_its_adapters_reload_from_anywhere(chain, tmp_path, monkeypatch):
     """The LoRA block after the chain (a LoRA reward model used to be refused by `rl`: no report found). Its adapters used to name their base relative to the training run's working
     directory (`runs/my_dpo_lora/base_model`), which PEFT resolves against the reader's: `OSError: Repo id must be in

@@ -142,6 +142,7 @@ def ranks():
         yield results
 
 
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("case", ["exact", "clip", "gram", "sparse", "micro", "group", "gpt2", "bert"])
 def test_the_sharded_steps_are_the_single_process_steps(ranks, case):
     """σ = 0: the sharded update (each rank clips its users with the layers gathered, the clipped sums
@@ -158,6 +159,7 @@ def test_the_sharded_steps_are_the_single_process_steps(ranks, case):
         assert any(a == 0 < b or b == 0 < a for a, b in zip(r0, r1))  # one rank empty, the other not
 
 
+@pytest.mark.end_to_end
 def test_every_element_gets_one_noise_draw_and_the_epsilon_is_the_single_process_one(ranks):
     """σ > 0, loss × 0: the update is the noise alone, std σC/ñ on every element of the full parameter: on the
     elements each rank owns and over all of them (an element noised by both ranks would have twice the variance, one
@@ -263,6 +265,7 @@ def _as_written_before_one_layout(folder, legacy):
                 **state.get("entries", {})}, os.path.join(legacy, "privacy.pt"))
 
 
+@pytest.mark.end_to_end
 def test_a_caller_generator_is_refused_and_a_check_failing_on_one_rank_stops_both(ranks):
     r0, r1 = ranks["refusals"]
     for r in (r0, r1):
@@ -270,6 +273,7 @@ def test_a_caller_generator_is_refused_and_a_check_failing_on_one_rank_stops_bot
     assert r1["fail"] == "injected check failure" and "Another process failed" in r0["fail"]
 
 
+@pytest.mark.end_to_end
 def test_a_sharded_run_resumes_from_its_checkpoint_with_the_same_steps_and_epsilon(ranks):
     """Issue 28: each process saves its shards of the model and of AdamW's state, the main process the privacy state
     once; a fresh set-up on both processes loads them and continues: the same parameters as the run that never

@@ -38,6 +38,7 @@ def reports():
         yield {case: [AuditReport.load(str(Path(d) / f"{case}{r}")) for r in range(2)] for case in CASES}
 
 
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_processes_audit_the_run_one_process_audits(reports, case):
     ranks = reports[case]

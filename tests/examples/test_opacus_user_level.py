@@ -8,6 +8,7 @@ import pytest
 EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "opacus_user_level.py"
 
 
+@pytest.mark.end_to_end
 def test_example_runs_and_reports_epsilon_per_epoch(capsys):
     spec = importlib.util.spec_from_file_location("opacus_user_level", EXAMPLE)
     module = importlib.util.module_from_spec(spec)

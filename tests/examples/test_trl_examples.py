@@ -25,11 +25,13 @@ def reward_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.end_to_end
 def test_reward_modeling_saves_a_private_reward_model(reward_dir):
     report = PrivacyReport.load(str(reward_dir))
     assert report.mechanism == "user_dpsgd" and 0 < report.epsilon <= 8.0 and report.steps_taken == 2
 
 
+@pytest.mark.end_to_end
 def test_online_rl_inherits_the_reward_models_report(reward_dir, tmp_path):
     trainer = _load("online_rl").main(["--reward_model", str(reward_dir), "--output_dir", str(tmp_path), "--max_steps", "2",
                                        "--n_prompts", "8"])

@@ -5,11 +5,13 @@ import math
 import os
 
 import numpy as np
+import pytest
 
 from trl_userdp.experiments.pipeline import PipelineArguments, run_pipeline
 from trl_userdp.mechanisms.randomized_response import OUTPUT_DIR as RR_OUTPUT_DIR
 
 
+@pytest.mark.end_to_end
 def test_pipeline_runs_every_stage_and_writes_results(tmp_path, capsys):
     args = PipelineArguments(n_users=20, max_samples_per_user=4, users_per_batch=5, epsilons=[8.0],
                              mechanisms=["none", "randomized_response", "user_dpsgd"], sft_steps=4, rl_steps=2,

@@ -49,6 +49,7 @@ def _cells(header: str, detail: str, row: str):
     return cells
 
 
+@pytest.mark.end_to_end
 def test_account_prints_the_calibrated_sigmas(walkthrough):
     from trl_userdp.accountants import compute_epsilon, poisson_gaussian_event
 
@@ -67,6 +68,7 @@ def test_account_prints_the_calibrated_sigmas(walkthrough):
         assert all(note in out for note in mechanism.walkthrough_notes)
 
 
+@pytest.mark.end_to_end
 def test_a_mechanism_registered_from_outside_gets_its_column_and_notes(walkthrough):
     out, cells = walkthrough
     assert cells[("outside σ", "(test)")] == 24.0  # 10·ε + m, with its 2 digits
@@ -75,6 +77,7 @@ def test_a_mechanism_registered_from_outside_gets_its_column_and_notes(walkthrou
     assert OutsideUserDPSGD.name not in MECHANISM_REGISTRY  # the fixture's registration did not leak
 
 
+@pytest.mark.end_to_end
 def test_account_prints_the_step_size_rules_public_noise_multiplier(walkthrough):
     """Issue 42: with --public_users_per_batch, the noise a step puts on the averaged gradient (σC/ñ) and the fixed σ
     that gives a run on ñ_pub public users per step the same noise (σ·ñ_pub/ñ), from the table's own PLD σ."""

@@ -19,6 +19,7 @@ def tiny_reward_base(tmp_path_factory):
     return base
 
 
+@pytest.mark.end_to_end
 def test_a_reward_model_trained_elsewhere_is_audited_from_its_folder(tiny_reward_base, tmp_path, capsys):
     """Step 1 writes the data with the canary users drawn in and keeps the draw in the auditor's folder; the user
     trains with `trl-userdp reward` (any trainer would do); step 2 scores the saved model. A non-private model gives

@@ -108,6 +108,7 @@ def test_make_parser_adds_the_command_to_sub_parsers():
     assert args == account.AccountArguments(epsilons=[3.0, 8.0], steps=100)
 
 
+@pytest.mark.end_to_end
 def test_audit_writes_its_report_draw_and_plot_and_says_so_in_one_line(tmp_path, capsys):
     """`trl-userdp audit` on the embedded pairs: the black-box audit of a non-private reward model finds its canary
     users (ε claimed ∞), and the white-box audit of the engine stays below its claim."""
@@ -187,6 +188,7 @@ def test_a_model_of_the_wrong_kind_is_one_line_before_loading(args, needle, save
     assert needle.format(**paths) in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.end_to_end
 def test_a_reward_run_on_thirty_users_says_nothing_the_user_did_not_cause(tmp_path, capfd, caplog, recwarn):
     """Issue 44, item 6: a first `reward` run printed 4–7 warnings the user did not cause: transformers' deprecation of
     TRL's default `gradient_checkpointing`, warnings about TRL's defaults max_grad_norm=1.0 and gradient checkpointing

@@ -3,12 +3,16 @@ a finished run."""
 
 import json
 
+import pytest
 import torch
 
 from trl_userdp import PrivacyReport
 from trl_userdp.cli import main
 
 from .helpers import pairs, write_jsonl
+
+#: the runs' accountant where accounting is not what is tested: RDP calibrates in a second, PLD in about ten
+RDP = ["--accountant", "rdp"]
 
 
 def test_the_tiny_models_tokenizer_is_built_from_public_text_only(tmp_path):
@@ -23,7 +27,7 @@ def test_the_tiny_models_tokenizer_is_built_from_public_text_only(tmp_path):
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     out = tmp_path / "out"
     assert main(["dpo", "--dataset", str(path), "--model_name_or_path", "tiny", "--output_dir", str(out),
-                 "--max_steps", "1", "--per_device_train_batch_size", "4"]) == 0
+                 "--max_steps", "1", "--per_device_train_batch_size", "4", *RDP]) == 0
     saved = (out / "tokenizer.json").read_text()
     _, public = small_causal_lm()
     public.save_pretrained(tmp_path / "public")
@@ -31,6 +35,7 @@ def test_the_tiny_models_tokenizer_is_built_from_public_text_only(tmp_path):
     assert secret[:6] not in saved and PrivacyReport.load(str(out)).epsilon <= 8.0
 
 
+@pytest.mark.end_to_end
 def test_a_yaml_output_dir_and_resume_from_checkpoint_are_honoured(tmp_path, capsys):
     """Both used to be overridden or ignored (issue 17): the injected --output_dir beat the YAML's, and
     --resume_from_checkpoint never reached trainer.train(). A resumed run continues the checkpoint's steps and ε (the
@@ -41,7 +46,7 @@ def test_a_yaml_output_dir_and_resume_from_checkpoint_are_honoured(tmp_path, cap
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs(range(8)))
     config = tmp_path / "config.yaml"
     config.write_text(f"output_dir: {tmp_path / 'from_yaml'}\nmax_steps: 4\nsave_steps: 2\n"
-                      "per_device_train_batch_size: 4\nprivacy_seed: 11\n")
+                      "per_device_train_batch_size: 4\nprivacy_seed: 11\naccountant: rdp\n")
     common = ["dpo", "--dataset", str(data), "--model_name_or_path", "tiny"]
     assert main([*common, "--config", str(config)]) == 0
     full = tmp_path / "from_yaml"
@@ -68,7 +73,7 @@ def test_lora_flags_reach_the_adapter_and_the_tiny_base_is_saved_for_reloading(t
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs(range(8)))
     out = tmp_path / "out"
     assert main(["dpo", "--dataset_name", str(data), "--use_peft", "--lora_r", "8", "--lora_alpha", "16",
-                 "--output_dir", str(out), "--max_steps", "1", "--per_device_train_batch_size", "4"]) == 0
+                 "--output_dir", str(out), "--max_steps", "1", "--per_device_train_batch_size", "4", *RDP]) == 0
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
     assert adapter["base_model_name_or_path"] == str(out / "base_model")
@@ -83,18 +88,19 @@ def test_a_conversational_dpo_dataset_trains(tmp_path, recwarn):
     data = write_jsonl(tmp_path / "chat.jsonl", pairs(range(8), conversational=True))
     out = tmp_path / "out"
     assert main(["dpo", "--dataset_name", str(data), "--output_dir", str(out), "--max_steps", "1",
-                 "--per_device_train_batch_size", "4"]) == 0
+                 "--per_device_train_batch_size", "4", *RDP]) == 0
     assert PrivacyReport.load(str(out)).steps_taken == 1
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                         "{% if add_generation_prompt %}<assistant>{% endif %}")
     assert main(["dpo", "--dataset_name", str(data), "--output_dir", str(tmp_path / "t"), "--max_steps", "1",
-                 "--per_device_train_batch_size", "4", "--chat_template_path", str(template)]) == 0
+                 "--per_device_train_batch_size", "4", "--chat_template_path", str(template), *RDP]) == 0
     saved = "".join(f.read_text() for f in (tmp_path / "t").iterdir() if f.name.startswith(("tokenizer", "chat")))
     assert "<assistant>" in saved  # the template travels with the saved tokenizer
     assert not [str(w.message) for w in recwarn], [str(w.message) for w in recwarn]
 
 
+@pytest.mark.end_to_end
 def test_extending_a_finished_run_is_refused_with_how_to_continue_and_that_works(tmp_path, capsys):
     """A longer plan recalibrates σ, so its resume is refused; the message used to say only that the state "belongs
     to another run or was edited" (issue 25, item 6). Following it (the saved σ, a larger budget) continues the run."""

@@ -13,6 +13,7 @@ from trl_userdp.scripts.rl import _positions, _truncate_reward_inputs
 from ..tiny_models import tiny_gpt2_rm, tiny_llama_lm, tiny_llama_rm, tiny_tokenizer
 
 
+@pytest.mark.end_to_end
 def test_rl_runs_on_the_users_own_prompts_with_a_policy_by_path(tmp_path, capsys, recwarn):
     """`rl` used to work only after the pipeline ran in the same folder, on IMDb prompts: now any dataset with a
     `prompt` column and any policy path; the policy carries the reward model's ε (post-processing)."""

@@ -12,25 +12,29 @@ from trl_userdp.cli import main
 from .helpers import pairs, run_cli, write_jsonl
 
 
-def test_a_dataset_without_a_user_column_is_a_one_line_error(tmp_path):
+def test_a_dataset_without_a_user_column_is_a_one_line_error(tmp_path, capsys):
+    """In this process (a shell's run of a one-line error: tests/scripts/test_cli.py)."""
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"chosen": "good", "rejected": "bad"}\n' * 4)
-    proc = run_cli("reward", "--dataset", str(path), "--output_dir", str(tmp_path / "out"))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
+    assert main(["reward", "--dataset", str(path), "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
     assert last.startswith("trl-userdp: error:") and "no user column 'user_id'" in last
-    assert sum(line.startswith("trl-userdp: error") for line in proc.stderr.splitlines()) == 1
+    assert sum(line.startswith("trl-userdp: error") for line in err.splitlines()) == 1
 
 
-def test_an_empty_dataset_file_is_a_one_line_error(tmp_path):
+def test_an_empty_dataset_file_is_a_one_line_error(tmp_path, capsys):
     """It used to end in a bare StopIteration traceback from the json reader (issue 11, item 8)."""
     path = tmp_path / "pairs.jsonl"
     path.write_text("")
-    proc = run_cli("reward", "--dataset", str(path), "--output_dir", str(tmp_path / "out"))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == f"trl-userdp: error: dataset file {str(path)!r} has no rows: there are no users to train on."
+    assert main(["reward", "--dataset", str(path), "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"trl-userdp: error: dataset file {str(path)!r} has no rows: there are no users to train on."
 
 
+@pytest.mark.end_to_end
 def test_a_parquet_folder_with_an_eval_split_trains_and_evaluates(tmp_path, capsys):
     """Local files of any format `datasets` reads, TRL's split flags, and evaluation on the test split (users of its
     own: a test split that shares a user with the train split is refused, its metrics carry no noise)."""
@@ -76,6 +80,7 @@ def test_null_or_empty_text_is_one_line_naming_the_row(command, fmt, tmp_path, c
     assert errors == [errors[0]] and errors[0].startswith("trl-userdp: error: Row 5 has no text (None) in column 'chosen'")
 
 
+@pytest.mark.end_to_end
 def test_a_missing_reporting_package_is_one_line_and_tensorboard_from_the_extra_shows_epsilon(tmp_path, capsys):
     """`--report_to` used to fail with a traceback from inside the Trainer when its package was missing (issue 17);
     with the `tracking` extra, TensorBoard gets the ε and δ curves (issue 16)."""

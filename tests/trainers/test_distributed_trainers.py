@@ -126,6 +126,7 @@ def runs(request, tmp_path_factory):
     return kind, _two_processes(root, kind, jobs)
 
 
+@pytest.mark.end_to_end
 def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(runs, tmp_path):
     kind, runs = runs
     _, ranks = runs["dist"]
@@ -153,6 +154,7 @@ def test_two_processes_take_the_single_process_step_and_spend_its_epsilon(runs, 
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
 
 
+@pytest.mark.end_to_end
 def test_a_model_sharded_by_fsdp2_takes_the_single_process_steps(runs, tmp_path):
     """Issue 28: the trainer on a model sharded by FSDP2 before it (the Trainer neither wraps nor re-shards it): σ = 0
     and no user clipped, six steps in which a process often has no user (its placeholder pass runs the layers'
@@ -187,6 +189,7 @@ def _saved(kind, out):
     return auto.from_pretrained(out).state_dict()
 
 
+@pytest.mark.end_to_end
 def test_a_sharded_run_resumes_from_its_checkpoint_exactly(runs):
     """Issue 28: a checkpoint of a sharded run holds the full model (gathered), each process's shards of AdamW's state
     and the privacy state; resumed on two new processes it ends where the run that never stopped ended (the noise
@@ -203,6 +206,7 @@ def test_a_sharded_run_resumes_from_its_checkpoint_exactly(runs):
             torch.testing.assert_close(resumed[0]["params"][name], value, atol=1e-7, rtol=1e-6, msg=f"{job}: {name}")
 
 
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("job", ["noise", "sharded_noise"])
 def test_one_noise_draw_across_processes(runs, job):
     """One step, σ = 10: the update is noise of std σC/ñ per coordinate (the clipped users' sum, ≤ 2C in norm, is
@@ -220,6 +224,7 @@ def test_one_noise_draw_across_processes(runs, job):
     assert lo <= stat <= hi, (float(update.var()), expected_var)  # the signal's share of the variance is < 1e-4
 
 
+@pytest.mark.end_to_end
 def test_a_failing_check_on_one_rank_stops_both(runs):
     _, runs = runs
     out, ranks = runs["fail"]
@@ -228,6 +233,7 @@ def test_a_failing_check_on_one_rank_stops_both(runs):
     assert not os.path.isfile(os.path.join(out, "privacy_report.json"))
 
 
+@pytest.mark.end_to_end
 def test_single_process_mechanisms_refuse_several_processes_before_training(runs):
     _, runs = runs
     out, ranks = runs["refuse"]

@@ -21,6 +21,7 @@ CASES = [
 ]
 
 
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("script,trl_trainer,trl_config,our_trainer,our_config", CASES)
 def test_a_trl_script_runs_with_the_class_swap_only(tmp_path, script, trl_trainer, trl_config, our_trainer, our_config):
     script(trl_trainer, trl_config, str(tmp_path / "trl"))  # the script is a valid TRL script

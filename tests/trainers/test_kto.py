@@ -44,6 +44,7 @@ def kto_script(trainer_cls, config_cls, output_dir, *, steps=3, **config):
     return trainer
 
 
+@pytest.mark.end_to_end
 def test_a_trl_kto_script_runs_privately_with_the_class_swap_only(tmp_path):
     kto_script(KTOTrainer, KTOConfig, str(tmp_path / "trl"))  # the script is a valid TRL script
     before = {n: p.detach().clone() for n, p in tiny_llama_lm(len(tiny_tokenizer())).named_parameters()}
