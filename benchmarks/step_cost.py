@@ -11,10 +11,12 @@ Methods, each on its own copy of the model with AdamW, timed interleaved (one st
 
 Every step sees the same batch of R rows of T tokens (random ids; per-row loss: the reward model's logistic loss on
 a random label, the causal LM's mean token cross-entropy), σ = 1, C = 1. Time: median and min seconds per step, and the
-ratio of the medians to non-private. Memory: the peak extra memory of a step (peak during the step minus what was
-allocated before it: activations, gradients, per-sample or per-user tensors), as a ratio to non-private's. On CUDA:
-``torch.cuda.max_memory_allocated``; on CPU: the process's peak resident set (``VmHWM``, reset through
-``/proc/self/clear_refs`` before each step; glibc's mmap threshold is fixed so that freed tensors leave the process).
+ratio of the medians to non-private, under the allocator a training process has (freed memory is reused, not
+returned). Memory: the peak extra memory of a step (peak during the step minus what was allocated before it:
+activations, gradients, per-sample or per-user tensors), as a ratio to non-private's, from a round of its own. On
+CUDA: ``torch.cuda.max_memory_allocated``; on CPU: the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` before the step, after glibc's ``malloc_trim`` has returned the free memory, so that the
+resident set measures live memory).
 
 A second table: user-level steps of ``U`` users (m rows each) through micro-batches of ``R`` rows on the tiny Llama,
 U = 16 … 512: seconds per logical step and peak extra memory, for ghost clipping and, while its per-user gradients fit
@@ -37,16 +39,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
+import ctypes
 import os
-import statistics
 import sys
+import gc
+import statistics
 import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ and __name__ == "__main__":
-    # a fixed mmap threshold: freed tensors go back to the OS, so the resident set measures live memory
+if "--allocator" in sys.argv and sys.argv[sys.argv.index("--allocator") + 1:][:1] == ["return"] and \
+        "MALLOC_MMAP_THRESHOLD_" not in os.environ and __name__ == "__main__":
+    # every allocation of 64 KB or more mapped and unmapped: freed tensors leave the process at once (and each fresh
+    # tensor's page faults are in the time)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.execv(sys.executable, [sys.executable, "-m", "benchmarks.step_cost", *sys.argv[1:]])
 
@@ -65,6 +70,10 @@ REALISTIC = ("smollm135m_full", "smollm135m_lora", "qwen0.5b_full", "qwen0.5b_lo
 
 
 # -- memory -------------------------------------------------------------------------------------
+#: glibc's ``malloc_trim``, where the C library has it
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", lambda pad: 0)
+
+
 class Memory:
     """Peak extra memory of a region: CUDA allocator statistics, or the process's resident set on Linux."""
 
@@ -85,6 +94,7 @@ class Memory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
+            _MALLOC_TRIM(0)  # freed memory back to the system: the step's own pages count in the resident set
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current resident set
             self.base = self._status("VmRSS:")
@@ -276,15 +286,18 @@ def parameter_count(model: nn.Module) -> int:
 
 
 def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc: str) -> Dict[str, Dict[str, float]]:
-    """One warm-up step each, then ``steps`` rounds of one timed step of each method in turn; a method whose warm-up
-    step raises ``NotImplementedError`` (Opacus's ghost clipping on tied weights) is reported as refused."""
+    """One warm-up step each, one step each for the peak memory, then ``steps`` rounds of one timed step of each
+    method in turn (the memory round returns the free memory to the system first, which the timed rounds do not:
+    a training process reuses it); a method whose warm-up step raises ``NotImplementedError`` (Opacus's ghost
+    clipping on tied weights) is reported as refused."""
     times: Dict[str, List[float]] = {name: [] for name in methods}
-    peaks: Dict[str, List[int]] = {name: [] for name in methods}
+    peaks: Dict[str, int] = {}
     refused: Dict[str, Dict[str, str]] = {}
     methods = dict(methods)  # the caller's stays whole
-    for rnd in tqdm(range(steps + 1), desc=desc, leave=False):
+    for rnd in tqdm(range(steps + 2), desc=desc, leave=False):
         for name, method in list(methods.items()):
-            memory.start()
+            if rnd == 1:
+                memory.start()
             start = time.perf_counter()
             try:
                 method.step(batch)
@@ -292,16 +305,17 @@ def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc:
                 if rnd > 0:
                     raise
                 refused[name] = {"refused": f"{type(err).__name__}: {err}"}
-                del methods[name], times[name], peaks[name]
+                del methods[name], times[name]
                 continue
             if memory.cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            if rnd > 0:
+            if rnd == 1:
+                peaks[name] = memory.peak_extra()
+            elif rnd > 1:
                 times[name].append(elapsed)
-                peaks[name].append(memory.peak_extra())
     return {**{name: {"median_s": statistics.median(times[name]), "min_s": min(times[name]),
-                      "peak_extra_bytes": max(peaks[name])} for name in methods}, **refused}
+                      "peak_extra_bytes": peaks[name]} for name in methods}, **refused}
 
 
 def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, device: torch.device,
@@ -458,6 +472,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                         help="only the methods whose names start with these (e.g. 'user ghost'), beside the non-private "
                              "control: every resident model slows the others' steps (docs/benchmarks.md), so fewer is "
                              "closer to a run of one model")
+    parser.add_argument("--allocator", choices=["reuse", "return"], default="reuse",
+                        help="glibc's, as a training process has it (freed memory reused), or returning every freed "
+                             "tensor of 64 KB or more to the system (the method of the runs before 2026-11-28 17:00)")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--name", default="step_cost")
     args = parser.parse_args(argv)
@@ -504,7 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             [[part, f"{profile['non-private'][part]:.2f}", f"{ghost[part]:.2f}",
               f"{ghost[part] / ghost['whole step']:.0%}"] for part, _ in PROFILE_PARTS]))
     settings = {"rows": args.rows, "seq": args.seq, "steps": args.steps, "ms": args.ms, "device": str(device),
-                "dtype": args.dtype, "methods": args.methods,
+                "dtype": args.dtype, "methods": args.methods, "allocator": args.allocator,
                 "torch_threads": torch.get_num_threads(), "noise_multiplier": 1.0, "max_grad_norm": 1.0}
     path = write_results(args.name, {"settings": settings, "results": results, "scaling": scaling, "profile": profile,
                                      "tables": tables}, args.out)

@@ -525,15 +525,10 @@ class UserGhostHooks(UserGradSampleHooks):
     def _unit_grads(self, module: nn.Module, params: List[nn.Parameter], activations: List[torch.Tensor],
                     backprops: torch.Tensor, slots: torch.Tensor, scale: float) -> Dict[nn.Parameter, torch.Tensor]:
         """The direct route: each unit's gradient ``{param: [U, *p.shape]}`` from Opacus's grad sampler on the packed
-        rows (with one row per unit, the rows themselves, reordered)."""
+        rows (views of the rows when each unit's rows lie in order: with one row per unit, always)."""
         index = self._packing_index(slots)
-        if index.shape[1] == 1:
-            rows = index[:, 0].to(backprops.device)
-            grads = {p: g.index_select(0, rows) for p, g in _by_recorded(module, self.GRAD_SAMPLERS[type(module)](
-                module, activations, backprops), params).items()}
-        else:
-            grads = _by_recorded(module, self.GRAD_SAMPLERS[type(module)](
-                module, [_pack(a, index) for a in activations], _pack(backprops, index)), params)
+        grads = _by_recorded(module, self.GRAD_SAMPLERS[type(module)](
+            module, [_pack(a, index) for a in activations], _pack(backprops, index)), params)
         return {p: g.mul_(scale) if scale != 1.0 else g for p, g in grads.items()}
 
     def _gram_norms2(self, module: nn.Module, passes: List[Tuple[List[torch.Tensor], torch.Tensor, float]],
