@@ -40,16 +40,18 @@ import argparse
 import contextlib
 import copy
 import ctypes
-import os
-import sys
 import gc
+import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-if "--allocator" in sys.argv and sys.argv[sys.argv.index("--allocator") + 1:][:1] == ["return"] and \
-        "MALLOC_MMAP_THRESHOLD_" not in os.environ and __name__ == "__main__":
+_ALLOCATOR = argparse.ArgumentParser(add_help=False)
+_ALLOCATOR.add_argument("--allocator")
+if __name__ == "__main__" and _ALLOCATOR.parse_known_args()[0].allocator == "return" and \
+        "MALLOC_MMAP_THRESHOLD_" not in os.environ:
     # every allocation of 64 KB or more mapped and unmapped: freed tensors leave the process at once (and each fresh
     # tensor's page faults are in the time)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -478,6 +480,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--name", default="step_cost")
     args = parser.parse_args(argv)
+    if args.allocator == "return" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+        parser.error("--allocator return sets glibc's mmap threshold before the process starts: run it as "
+                     "`python -m benchmarks.step_cost`, or with MALLOC_MMAP_THRESHOLD_=65536 in the environment")
     device = torch.device(args.device)
     memory = Memory(device)
     with _one_process_group(device, args.fsdp2):
