@@ -8,3 +8,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread
     import torch
 
     torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session):
+    """Freeze what the imports and the collection made (torch, transformers, TRL: millions of objects) out of the
+    garbage collector's sight: ``Trainer.train`` runs ``gc.collect()`` (accelerate's ``free_memory``), which otherwise
+    walks all of them, about 0.3 s a run here."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -109,8 +109,10 @@ def _verbatim(code: str) -> bool:
     return any(marker in code for marker in VERBATIM)
 
 
-@pytest.mark.parametrize("page,index", [(page, i) for i, (page, code) in enumerate(_python_blocks())
-                                        if not _verbatim(code)])
+@pytest.mark.parametrize("page,index", [
+    # a block that trains through a trainer is a whole run as written (.ci/run's end_to_end set)
+    pytest.param(page, i, marks=[pytest.mark.end_to_end] if ".train()" in code else [])
+    for i, (page, code) in enumerate(_python_blocks()) if not _verbatim(code)])
 def test_each_python_block_runs_with_the_names_it_expects(page, index, tmp_path, monkeypatch):
     """Every block but the verbatim quick starts (:func:`test_the_quick_starts_run_as_written`)."""
     code = _python_blocks()[index][1]

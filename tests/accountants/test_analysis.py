@@ -1,8 +1,11 @@
 """Our dp-accounting paths against Opacus's accountants, calibration round trips, group privacy."""
 
+import collections
 import math
 
+import dp_accounting as dpa
 import pytest
+from dp_accounting import pld
 from opacus.accountants import PRVAccountant, RDPAccountant
 
 from trl_userdp.accountants import (
@@ -15,7 +18,9 @@ from trl_userdp.accountants import (
     make_accountant,
     poisson_gaussian_event,
 )
-from trl_userdp.accountants.analysis import INTEGER_RDP_ORDERS, RDP_ORDERS
+from trl_userdp.accountants import analysis
+from trl_userdp.accountants.analysis import INTEGER_RDP_ORDERS, NEIGHBORING_RELATIONS, RDP_ORDERS
+from trl_userdp.accountants.events import els_event, truncated_poisson_gaussian_event
 
 # (σ, q, T): the IMDb setting of AUP-RLHF (q = 50/2500, 5 epochs) and points around it.
 POINTS = [(1.0, 0.02, 250), (0.8, 0.01, 1000), (2.0, 0.05, 100), (1.5, 0.001, 5000), (0.7, 0.1, 50), (4.0, 0.02, 250)]
@@ -52,15 +57,59 @@ def test_pld_within_two_percent_of_opacus_prv(sigma, q, steps):
     assert ours == pytest.approx(theirs, rel=0.02)
 
 
-@pytest.mark.parametrize("accountant", ["rdp", "pld"])
-@pytest.mark.parametrize("target", [1.0, 8.0])
-def test_calibration_round_trip(accountant, target):
+@pytest.mark.parametrize("accountant,target,options", [
+    ("rdp", 1.0, {}), ("rdp", 8.0, {}), ("pld", 1.0, {}),
+    # at ε = 8 (σ ≈ 0.6) a PLD evaluation on the default grid takes about a second: the coarse grid ELS uses
+    ("pld", 8.0, {"value_discretization_interval": 1e-3}),
+])
+def test_calibration_round_trip(accountant, target, options):
     make = lambda s: poisson_gaussian_event(s, 0.02, 250)  # noqa: E731
-    sigma = calibrate_noise_multiplier(make, target_epsilon=target, target_delta=DELTA, accountant=accountant)
-    eps = compute_epsilon(make(sigma), DELTA, accountant=accountant)
+    sigma = calibrate_noise_multiplier(make, target_epsilon=target, target_delta=DELTA, accountant=accountant,
+                                       **options)
+    eps = compute_epsilon(make(sigma), DELTA, accountant=accountant, **options)
     assert eps <= target
     assert eps >= 0.99 * target  # the smallest σ that fits, not just any σ
-    assert compute_epsilon(make(0.98 * sigma), DELTA, accountant=accountant) > target
+    assert compute_epsilon(make(0.98 * sigma), DELTA, accountant=accountant, **options) > target
+
+
+#: (event, relation, the dp-accounting function that builds one step's distribution); a mixture of Gaussians is
+#: accounted under add/remove only
+STEP_DISTRIBUTIONS = [
+    ("poisson", "add_or_remove", "from_gaussian_mechanism"), ("poisson", "replace", "from_gaussian_mechanism"),
+    ("truncated", "add_or_remove", "from_truncated_subsampled_gaussian_mechanism"),
+    ("truncated", "replace", "from_truncated_subsampled_gaussian_mechanism"),
+    ("mixture", "add_or_remove", "from_mixture_gaussian_mechanism"),
+]
+
+
+@pytest.mark.parametrize("event,relation,builder", STEP_DISTRIBUTIONS)
+def test_the_pld_accountant_builds_a_steps_distribution_once_and_gives_dp_accountings_epsilon(event, relation, builder,
+                                                                                            monkeypatch):
+    """make_accountant("pld") gives dp-accounting's PLDAccountant's ε bit for bit, for T steps and for a history of two
+    settings, while the distribution of one step is built once for every T (ε after each step, the budget's search)."""
+    make = {"poisson": lambda t, sigma=1.3: poisson_gaussian_event(sigma, 0.1, t),
+            "truncated": lambda t, sigma=1.3: truncated_poisson_gaussian_event(sigma, 0.1, t, 200, 30),
+            "mixture": lambda t, sigma=3.0: els_event(sigma, 0.1, t, 2)}[event]
+    grid, rel = 1e-2, NEIGHBORING_RELATIONS[relation]
+    independent = [pld.PLDAccountant(rel, grid).compose(make(t)).get_epsilon(DELTA) for t in (1, 4, 9)]
+    mixed = dpa.ComposedDpEvent([make(4), make(3, sigma=4.0)])
+    independent.append(pld.PLDAccountant(rel, grid).compose(mixed).get_epsilon(DELTA))
+    monkeypatch.setattr(analysis, "_STEP_PLDS", collections.OrderedDict())  # nothing remembered from other tests
+    built = []
+    original = getattr(pld.privacy_loss_distribution, builder)
+    monkeypatch.setattr(pld.privacy_loss_distribution, builder, lambda *a, **k: built.append(1) or original(*a, **k))
+    ours = [make_accountant("pld", relation, value_discretization_interval=grid).compose(make(t)).get_epsilon(DELTA)
+            for t in (1, 4, 9)]
+    assert len(built) == 1
+    ours.append(make_accountant("pld", relation, value_discretization_interval=grid).compose(mixed).get_epsilon(DELTA))
+    assert ours == independent
+    assert len(built) == 2  # the new setting's step is built, the first one's remembered
+
+
+def test_the_pld_accountant_leaves_degenerate_steps_to_dp_accounting():
+    assert compute_epsilon(poisson_gaussian_event(0.0, 0.1, 3), DELTA, accountant="pld") == math.inf
+    assert compute_epsilon(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.0, dpa.GaussianDpEvent(1.0)), 3),
+                           DELTA, accountant="pld") == 0.0
 
 
 def test_replace_one_is_looser_than_add_remove_but_at_most_double():

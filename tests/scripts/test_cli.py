@@ -46,6 +46,7 @@ def test_bad_input_is_one_line_and_nonzero(args, needle, capsys):
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.end_to_end  # a process of its own (about 8 s of imports)
 def test_bad_input_from_the_shell_has_no_traceback():
     proc = run_cli("account", "--epsilons", "-3")
     assert proc.returncode == 2
@@ -89,6 +90,7 @@ def test_rl_help_lists_the_reward_model_with_the_privacy_options(command, capsys
     assert ("--target_epsilon" in text[:text.index("--learning_rate")]) == (command == "grpo")
 
 
+@pytest.mark.end_to_end  # a process of its own (about 8 s of imports)
 def test_a_command_runs_as_a_module_of_its_own_with_the_same_one_line_errors():
     """`python -m trl_userdp.scripts.<command>`, as TRL's `python trl/scripts/dpo.py`."""
     proc = subprocess.run([sys.executable, "-m", "trl_userdp.scripts.account", "--delta", "2"], capture_output=True,

@@ -2,7 +2,7 @@
 and the group-privacy conversion (docs/mechanisms.md, M2).
 
 Accountant kinds: ``"rdp"`` (dp-accounting ``RdpAccountant`` on :data:`RDP_ORDERS`) and ``"pld"``
-(dp-accounting ``PLDAccountant``).
+(dp-accounting ``PLDAccountant``, as :class:`StepPLDAccountant`, which builds each step's distribution once).
 Neighbouring relations: ``"add_or_remove"`` (one user added or removed; the Opacus and
 dp-accounting convention) and ``"replace"`` (one user's data replaced; the papers' definition,
 PLD only for subsampled Gaussians).
@@ -10,6 +10,7 @@ PLD only for subsampled Gaussians).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -143,6 +144,69 @@ class GroupPrivacyAccountant(dpa.PrivacyAccountant):
         return hi
 
 
+class StepPLDAccountant(dpa_pld.PLDAccountant):
+    """dp-accounting's PLD accountant, which builds the privacy-loss distribution of one subsampled step once per
+    process and setting (:func:`_step_pld`) instead of at every composition.
+
+    ``PLDAccountant`` composes ``T`` steps as the step's distribution (``from_gaussian_mechanism``, or the truncated
+    or mixture one) self-composed ``T`` times, and builds that distribution anew each time: seconds at a small σ on a
+    fine grid, and ε after each step of a run, or the budget's search over ``T``, asks for the same step again and
+    again. Here the step's distribution comes from the memo and the rest is dp-accounting's own composition, so ε is
+    the same number ``PLDAccountant`` gives (tests/accountants/test_analysis.py).
+    """
+
+    def _maybe_compose(self, event: dpa.DpEvent, count: int, do_compose: bool):
+        if do_compose and count >= 1:
+            step = _step_pld(event, self.neighboring_relation, self._value_discretization_interval)
+            if step is not None:
+                self._pld = self._pld.compose(step.self_compose(count))
+                return None
+        return super()._maybe_compose(event, count, do_compose)
+
+
+#: how many steps' distributions :func:`_step_pld` keeps (one is a few MB at the default grid)
+STEP_PLD_MEMO_SIZE = 32
+_STEP_PLDS: "collections.OrderedDict[Tuple[str, dpa.NeighboringRelation, float], object]" = collections.OrderedDict()
+
+
+def _step_pld(event: dpa.DpEvent, relation: dpa.NeighboringRelation, interval: float):
+    """The privacy-loss distribution of one step for the events ``PLDAccountant`` self-composes (a Poisson-subsampled
+    Gaussian, a truncated subsampled Gaussian, a mixture of Gaussians), built as ``PLDAccountant`` builds it and kept
+    for the :data:`STEP_PLD_MEMO_SIZE` latest settings (keyed by the event's ``repr``: a mixture's fields are lists);
+    ``None`` for any other event, or a degenerate one (zero noise or sampling), which ``PLDAccountant`` handles."""
+    key = (repr(event), relation, interval)
+    if key in _STEP_PLDS:
+        _STEP_PLDS.move_to_end(key)
+        return _STEP_PLDS[key]
+    pld = dpa_pld.privacy_loss_distribution
+    mixture = dpa.dp_event.MixtureOfGaussiansDpEvent
+    if isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(event.event, dpa.GaussianDpEvent):
+        if event.sampling_probability == 0 or event.event.noise_multiplier == 0:
+            return None
+        step = pld.from_gaussian_mechanism(
+            standard_deviation=event.event.noise_multiplier, value_discretization_interval=interval,
+            sampling_prob=event.sampling_probability, neighboring_relation=relation)
+    elif isinstance(event, dpa.TruncatedSubsampledGaussianDpEvent):
+        if 0 in (event.sampling_probability, event.truncated_batch_size, event.dataset_size, event.noise_multiplier):
+            return None
+        step = pld.from_truncated_subsampled_gaussian_mechanism(
+            dataset_size=event.dataset_size, sampling_probability=event.sampling_probability,
+            truncated_batch_size=event.truncated_batch_size, noise_multiplier=event.noise_multiplier,
+            value_discretization_interval=interval, neighboring_relation=relation)
+    elif isinstance(event, mixture) and relation == dpa.NeighboringRelation.ADD_OR_REMOVE_ONE:
+        if event.standard_deviation == 0 or list(event.sensitivities) == [0.0]:
+            return None
+        step = pld.from_mixture_gaussian_mechanism(
+            standard_deviation=event.standard_deviation, sensitivities=event.sensitivities,
+            sampling_probs=event.sampling_probs, value_discretization_interval=interval)
+    else:
+        return None
+    _STEP_PLDS[key] = step
+    if len(_STEP_PLDS) > STEP_PLD_MEMO_SIZE:
+        _STEP_PLDS.popitem(last=False)
+    return step
+
+
 def make_accountant(
     kind: str = "rdp",
     relation: str = "add_or_remove",
@@ -172,7 +236,7 @@ def make_accountant(
     if kind == "rdp":
         acc = dpa_rdp.RdpAccountant(orders=tuple(orders or RDP_ORDERS), neighboring_relation=rel)
     else:
-        acc = dpa_pld.PLDAccountant(neighboring_relation=rel, value_discretization_interval=value_discretization_interval)
+        acc = StepPLDAccountant(neighboring_relation=rel, value_discretization_interval=value_discretization_interval)
     return acc if group_size is None else GroupPrivacyAccountant(acc, group_size)
 
 
