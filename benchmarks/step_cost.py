@@ -12,11 +12,13 @@ Methods, each on its own copy of the model with AdamW, timed interleaved (one st
 Every step sees the same batch of R rows of T tokens (random ids; per-row loss: the reward model's logistic loss on
 a random label, the causal LM's mean token cross-entropy), σ = 1, C = 1. Time: median and min seconds per step, and the
 ratio of the medians to non-private, under the allocator a training process has (freed memory is reused, not
-returned). Memory: the peak extra memory of a step (peak during the step minus what was allocated before it:
-activations, gradients, per-sample or per-user tensors), as a ratio to non-private's, from a round of its own. On
-CUDA: ``torch.cuda.max_memory_allocated``; on CPU: the process's peak resident set (``VmHWM``, reset through
-``/proc/self/clear_refs`` before the step, after glibc's ``malloc_trim`` has returned the free memory, so that the
-resident set measures live memory).
+returned), with each step's page faults and system seconds (fresh pages the allocator asked the kernel for). Memory:
+the peak extra memory of a step (peak during the step minus what was allocated before it: activations, gradients,
+per-sample or per-user tensors), as a ratio to non-private's, from a round of its own. On CUDA:
+``torch.cuda.max_memory_allocated``; on CPU two figures: the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` before the step, after glibc's ``malloc_trim`` has returned the free memory: it also counts
+what glibc's free lists hold apart), and the peak of live tensors (PyTorch's allocations and frees as torch.profiler
+records them, in a last round: the CPU's counterpart of the CUDA figure).
 
 A second table: user-level steps of ``U`` users (m rows each) through micro-batches of ``R`` rows on the tiny Llama,
 U = 16 … 512: seconds per logical step and peak extra memory, for ghost clipping and, while its per-user gradients fit
@@ -42,20 +44,26 @@ import copy
 import ctypes
 import gc
 import os
+import resource
 import statistics
 import sys
 import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-_ALLOCATOR = argparse.ArgumentParser(add_help=False)
-_ALLOCATOR.add_argument("--allocator")
-if __name__ == "__main__" and _ALLOCATOR.parse_known_args()[0].allocator == "return" and \
-        "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-    # every allocation of 64 KB or more mapped and unmapped: freed tensors leave the process at once (and each fresh
-    # tensor's page faults are in the time)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.step_cost", *sys.argv[1:]])
+#: glibc's settings (read once, when the process starts) for ``--allocator``: ``return`` maps and unmaps every
+#: allocation of 64 KB or more, so freed tensors leave the process at once (and each fresh tensor's page faults are in
+#: the time); ``keep`` maps only those above 32 MB (glibc's largest threshold) and never trims the heap, so freed memory
+#: stays for the next step, as the allocators PyTorch's CPU tuning guide suggests (jemalloc, TCMalloc) keep it
+ALLOCATOR_ENV = {"return": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+                 "keep": {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**40)}}
+if __name__ == "__main__":
+    _ALLOCATOR = argparse.ArgumentParser(add_help=False)
+    _ALLOCATOR.add_argument("--allocator")
+    _SETTING = ALLOCATOR_ENV.get(_ALLOCATOR.parse_known_args()[0].allocator, {})
+    if any(os.environ.get(k) != v for k, v in _SETTING.items()):
+        os.environ.update(_SETTING)
+        os.execv(sys.executable, [sys.executable, "-m", "benchmarks.step_cost", *sys.argv[1:]])
 
 import torch
 from torch import nn
@@ -106,6 +114,23 @@ class Memory:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.base
         return self._status("VmHWM:") - self.base
+
+    @staticmethod
+    def live_peak_extra(step: Callable[[], None]) -> int:
+        """Peak extra bytes of live tensors during ``step()`` on the CPU: PyTorch's allocations and frees, which
+        torch.profiler records in order (``profile_memory``), summed as they happen. The CPU's counterpart of
+        ``torch.cuda.max_memory_allocated``: what the step holds at once, whatever glibc does with freed memory."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        live = peak = 0
+        for event in events:
+            live += event.nbytes()  # negative for a free
+            peak = max(peak, live)
+        return peak
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -290,9 +315,11 @@ def parameter_count(model: nn.Module) -> int:
 def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc: str) -> Dict[str, Dict[str, float]]:
     """One warm-up step each, one step each for the peak memory, then ``steps`` rounds of one timed step of each
     method in turn (the memory round returns the free memory to the system first, which the timed rounds do not:
-    a training process reuses it); a method whose warm-up step raises ``NotImplementedError`` (Opacus's ghost
-    clipping on tied weights) is reported as refused."""
-    times: Dict[str, List[float]] = {name: [] for name in methods}
+    a training process reuses it), and on the CPU a last round for the live memory (:meth:`Memory.live_peak_extra`,
+    under the profiler, so after the timed rounds). Each timed step also counts its page faults and system time (the
+    kernel's part of the step: fresh pages for tensors the allocator did not keep). A method whose warm-up step raises
+    ``NotImplementedError`` (Opacus's ghost clipping on tied weights) is reported as refused."""
+    times: Dict[str, List[Tuple[float, int, float]]] = {name: [] for name in methods}
     peaks: Dict[str, int] = {}
     refused: Dict[str, Dict[str, str]] = {}
     methods = dict(methods)  # the caller's stays whole
@@ -300,6 +327,7 @@ def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc:
         for name, method in list(methods.items()):
             if rnd == 1:
                 memory.start()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             try:
                 method.step(batch)
@@ -312,12 +340,18 @@ def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc:
             if memory.cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
+            after = resource.getrusage(resource.RUSAGE_SELF)
             if rnd == 1:
                 peaks[name] = memory.peak_extra()
             elif rnd > 1:
-                times[name].append(elapsed)
-    return {**{name: {"median_s": statistics.median(times[name]), "min_s": min(times[name]),
-                      "peak_extra_bytes": peaks[name]} for name in methods}, **refused}
+                times[name].append((elapsed, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
+    live = (dict(peaks) if memory.cuda else  # CUDA's figure is of live tensors already
+            {name: Memory.live_peak_extra(lambda: method.step(batch)) for name, method in methods.items()})
+    return {**{name: {"median_s": statistics.median(t for t, _, _ in times[name]),
+                      "min_s": min(t for t, _, _ in times[name]),
+                      "page_faults": statistics.median(f for _, f, _ in times[name]),
+                      "system_s": statistics.median(k for _, _, k in times[name]),
+                      "peak_extra_bytes": peaks[name], "peak_live_bytes": live[name]} for name in methods}, **refused}
 
 
 def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, device: torch.device,
@@ -349,8 +383,8 @@ def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, 
         if kind.startswith("fsdp2 user"):  # against the control of its own layout
             cell["time_ratio_to_fsdp2_non_private"] = cell["median_s"] / cells["fsdp2 non-private"]["median_s"]
         # a step too small to move the resident set has no memory ratio
-        cell["memory_ratio"] = (cell["peak_extra_bytes"] / ref["peak_extra_bytes"] if ref["peak_extra_bytes"] > 0
-                                else float("nan"))
+        for key, ratio in (("peak_extra_bytes", "memory_ratio"), ("peak_live_bytes", "live_memory_ratio")):
+            cell[ratio] = cell[key] / ref[key] if ref[key] > 0 else float("nan")
     del methods
     gc.collect()
     return {"parameters": parameter_count(base), "cells": cells}
@@ -474,29 +508,34 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                         help="only the methods whose names start with these (e.g. 'user ghost'), beside the non-private "
                              "control: every resident model slows the others' steps (docs/benchmarks.md), so fewer is "
                              "closer to a run of one model")
-    parser.add_argument("--allocator", choices=["reuse", "return"], default="reuse",
-                        help="glibc's, as a training process has it (freed memory reused), or returning every freed "
-                             "tensor of 64 KB or more to the system (the method of the runs before 2026-11-28 17:00)")
+    parser.add_argument("--allocator", choices=["reuse", *ALLOCATOR_ENV], default="reuse",
+                        help="glibc's defaults, as a training process has them (freed memory reused, large blocks "
+                             "returned); 'return': every freed tensor of 64 KB or more returned to the system (the "
+                             "method of the runs before 2026-11-28 17:00); 'keep': freed memory kept (ALLOCATOR_ENV)")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--name", default="step_cost")
     args = parser.parse_args(argv)
-    if args.allocator == "return" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
-        parser.error("--allocator return sets glibc's mmap threshold before the process starts: run it as "
-                     "`python -m benchmarks.step_cost`, or with MALLOC_MMAP_THRESHOLD_=65536 in the environment")
+    setting = ALLOCATOR_ENV.get(args.allocator, {})
+    if any(os.environ.get(k) != v for k, v in setting.items()):
+        parser.error(f"--allocator {args.allocator} sets glibc's allocator before the process starts: run it as "
+                     f"`python -m benchmarks.step_cost`, or with {setting} in the environment")
     device = torch.device(args.device)
     memory = Memory(device)
     with _one_process_group(device, args.fsdp2):
         results = {name: run_workload(name, args.ms, args.rows, args.seq, args.steps, device, memory, args.fsdp2,
                                       DTYPES[args.dtype], args.methods)
                    for name in tqdm(args.workloads, desc="workloads")}
-    header = ["workload", "method", "median s", "min s", "time ×", "peak extra MB", "memory ×"]
-    rows = [[w, k, f"{c['median_s']:.3f}", f"{c['min_s']:.3f}", f"{c['time_ratio']:.2f}",
-             f"{c['peak_extra_bytes'] / 2**20:.0f}", f"{c['memory_ratio']:.2f}"] if "refused" not in c else
-            [w, k, "refused", "", "", "", c["refused"].split(":")[1][:40].strip()]
+    header = ["workload", "method", "median s", "min s", "time ×", "page faults", "system s", "peak extra MB",
+              "memory ×", "live MB", "live ×"]
+    rows = [[w, k, f"{c['median_s']:.3f}", f"{c['min_s']:.3f}", f"{c['time_ratio']:.2f}", f"{c['page_faults']:.0f}",
+             f"{c['system_s']:.2f}", f"{c['peak_extra_bytes'] / 2**20:.0f}", f"{c['memory_ratio']:.2f}",
+             f"{c['peak_live_bytes'] / 2**20:.0f}", f"{c['live_memory_ratio']:.2f}"] if "refused" not in c else
+            [w, k, "refused", "", "", "", "", "", "", "", c["refused"].split(":")[1][:40].strip()]
             for w, r in results.items() for k, c in r["cells"].items()]
     print(f"\nOne step, {args.rows} rows of {args.seq} tokens, AdamW, σ = 1, C = 1, {args.dtype} on {device}; ratios to "
           "non-private "
-          f"(median time; peak extra memory), {args.steps} interleaved rounds")
+          f"(median time; peak extra memory: resident set and live tensors), {args.steps} interleaved rounds; page "
+          "faults and system seconds: median per step")
     table = print_table(header, rows)
     tables = [table]
     scaling = None

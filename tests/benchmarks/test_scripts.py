@@ -233,4 +233,22 @@ def test_step_cost_runs_only_the_methods_asked_for_beside_the_control(tmp_path):
 
     out = step_cost.main(["--workloads", "llama_lora", "--ms", "1", "2", "--rows", "4", "--seq", "8", "--steps", "1",
                           "--users", "--methods", "user ghost", "--out", str(tmp_path)])
-    assert set(out["results"]["llama_lora"]["cells"]) == {"non-private", "user ghost m=1", "user ghost m=2"}
+    cells = out["results"]["llama_lora"]["cells"]
+    assert set(cells) == {"non-private", "user ghost m=1", "user ghost m=2"}
+    assert all(c["peak_live_bytes"] > 0 and c["page_faults"] >= 0 and c["system_s"] >= 0 for c in cells.values())
+
+
+def test_the_live_memory_of_a_step_is_its_largest_set_of_tensors_held_at_once():
+    """Memory.live_peak_extra: 8 MB and 4 MB held together, then freed, then 8 MB alone: the peak is 12 MB, whatever
+    glibc kept of the freed memory (the CPU's counterpart of torch.cuda.max_memory_allocated)."""
+    import torch
+
+    from benchmarks.step_cost import Memory
+
+    def step():
+        a, b = torch.ones(2 * 2**20), torch.ones(2**20)  # 8 MB and 4 MB of fp32
+        del a, b
+        c = torch.ones(2 * 2**20)
+        del c
+
+    assert 12 * 2**20 <= Memory.live_peak_extra(step) < 12 * 2**20 + 2**16
