@@ -11,6 +11,7 @@ PLD only for subsampled Gaussians).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -174,34 +175,37 @@ def _step_pld(event: dpa.DpEvent, relation: dpa.NeighboringRelation, interval: f
     Gaussian, a truncated subsampled Gaussian, a mixture of Gaussians), built as ``PLDAccountant`` builds it and kept
     for the :data:`STEP_PLD_MEMO_SIZE` latest settings (keyed by the event's ``repr``: a mixture's fields are lists);
     ``None`` for any other event, or a degenerate one (zero noise or sampling), which ``PLDAccountant`` handles."""
+    pld = dpa_pld.privacy_loss_distribution
+    if isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(event.event, dpa.GaussianDpEvent):
+        if event.sampling_probability == 0 or event.event.noise_multiplier == 0:
+            return None
+        build = functools.partial(
+            pld.from_gaussian_mechanism, standard_deviation=event.event.noise_multiplier,
+            value_discretization_interval=interval, sampling_prob=event.sampling_probability,
+            neighboring_relation=relation)
+    elif isinstance(event, dpa.TruncatedSubsampledGaussianDpEvent):
+        if 0 in (event.sampling_probability, event.truncated_batch_size, event.dataset_size, event.noise_multiplier):
+            return None
+        build = functools.partial(
+            pld.from_truncated_subsampled_gaussian_mechanism, dataset_size=event.dataset_size,
+            sampling_probability=event.sampling_probability, truncated_batch_size=event.truncated_batch_size,
+            noise_multiplier=event.noise_multiplier, value_discretization_interval=interval,
+            neighboring_relation=relation)
+    elif (isinstance(event, dpa.dp_event.MixtureOfGaussiansDpEvent)
+          and relation == dpa.NeighboringRelation.ADD_OR_REMOVE_ONE):
+        if event.standard_deviation == 0 or list(event.sensitivities) == [0.0]:
+            return None
+        build = functools.partial(
+            pld.from_mixture_gaussian_mechanism, standard_deviation=event.standard_deviation,
+            sensitivities=event.sensitivities, sampling_probs=event.sampling_probs,
+            value_discretization_interval=interval)
+    else:  # decided before the key: a composed event's repr is as long as its history
+        return None
     key = (repr(event), relation, interval)
     if key in _STEP_PLDS:
         _STEP_PLDS.move_to_end(key)
         return _STEP_PLDS[key]
-    pld = dpa_pld.privacy_loss_distribution
-    mixture = dpa.dp_event.MixtureOfGaussiansDpEvent
-    if isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(event.event, dpa.GaussianDpEvent):
-        if event.sampling_probability == 0 or event.event.noise_multiplier == 0:
-            return None
-        step = pld.from_gaussian_mechanism(
-            standard_deviation=event.event.noise_multiplier, value_discretization_interval=interval,
-            sampling_prob=event.sampling_probability, neighboring_relation=relation)
-    elif isinstance(event, dpa.TruncatedSubsampledGaussianDpEvent):
-        if 0 in (event.sampling_probability, event.truncated_batch_size, event.dataset_size, event.noise_multiplier):
-            return None
-        step = pld.from_truncated_subsampled_gaussian_mechanism(
-            dataset_size=event.dataset_size, sampling_probability=event.sampling_probability,
-            truncated_batch_size=event.truncated_batch_size, noise_multiplier=event.noise_multiplier,
-            value_discretization_interval=interval, neighboring_relation=relation)
-    elif isinstance(event, mixture) and relation == dpa.NeighboringRelation.ADD_OR_REMOVE_ONE:
-        if event.standard_deviation == 0 or list(event.sensitivities) == [0.0]:
-            return None
-        step = pld.from_mixture_gaussian_mechanism(
-            standard_deviation=event.standard_deviation, sensitivities=event.sensitivities,
-            sampling_probs=event.sampling_probs, value_discretization_interval=interval)
-    else:
-        return None
-    _STEP_PLDS[key] = step
+    step = _STEP_PLDS[key] = build()
     if len(_STEP_PLDS) > STEP_PLD_MEMO_SIZE:
         _STEP_PLDS.popitem(last=False)
     return step
