@@ -18,7 +18,9 @@ per-sample or per-user tensors), as a ratio to non-private's, from a round of it
 ``torch.cuda.max_memory_allocated``; on CPU two figures: the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` before the step, after glibc's ``malloc_trim`` has returned the free memory: it also counts
 what glibc's free lists hold apart), and the peak of live tensors (PyTorch's allocations and frees as torch.profiler
-records them, in a last round: the CPU's counterpart of the CUDA figure).
+records them, in a last round: the CPU's counterpart of the CUDA figure); and, for each part of the step (forward
+pass and loss, backward pass, optimizer step), the live peak within it and how much the resident set's peak grew while
+it ran: where the peak is reached.
 
 A second table: user-level steps of ``U`` users (m rows each) through micro-batches of ``R`` rows on the tiny Llama,
 U = 16 … 512: seconds per logical step and peak extra memory, for ghost clipping and, while its per-user gradients fit
@@ -82,6 +84,31 @@ REALISTIC = ("smollm135m_full", "smollm135m_lora", "qwen0.5b_full", "qwen0.5b_lo
 # -- memory -------------------------------------------------------------------------------------
 #: glibc's ``malloc_trim``, where the C library has it
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", lambda pad: 0)
+#: the parts of a step whose memory is reported apart
+PHASES = ("forward", "backward", "optimizer")
+#: the memory round's resident-set growth per part of the step (bytes), while :meth:`Memory.start` tracks it
+_RESIDENT_GROWTH: Optional[Dict[str, int]] = None
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """A part of a step (:data:`PHASES`): marked for the profiler (the live memory per part) and, in the memory round,
+    the growth of the peak resident set while it runs (on the CPU)."""
+    tracked = _RESIDENT_GROWTH is not None
+    before = _status("VmHWM:") if tracked else 0
+    with torch.profiler.record_function(f"phase:{name}"):
+        yield
+    if tracked:
+        _RESIDENT_GROWTH[name] = _RESIDENT_GROWTH.get(name, 0) + _status("VmHWM:") - before
+
+
+def _status(key: str) -> int:
+    """A line of ``/proc/self/status`` in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 class Memory:
@@ -89,13 +116,6 @@ class Memory:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-
-    def _status(self, key: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(f"{key} not in /proc/self/status")
 
     def start(self) -> None:
         gc.collect()
@@ -107,30 +127,41 @@ class Memory:
             _MALLOC_TRIM(0)  # freed memory back to the system: the step's own pages count in the resident set
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current resident set
-            self.base = self._status("VmRSS:")
+            self.base = _status("VmRSS:")
+            global _RESIDENT_GROWTH
+            _RESIDENT_GROWTH = {}
 
-    def peak_extra(self) -> int:
+    def peak_extra(self) -> Tuple[int, Dict[str, int]]:
+        """The peak extra memory since :meth:`start`, and (on the CPU) how much of it each part of the step added."""
+        global _RESIDENT_GROWTH
         if self.cuda:
             torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.base
-        return self._status("VmHWM:") - self.base
+            return torch.cuda.max_memory_allocated() - self.base, {}
+        growth, _RESIDENT_GROWTH = _RESIDENT_GROWTH or {}, None
+        return _status("VmHWM:") - self.base, growth
 
     @staticmethod
-    def live_peak_extra(step: Callable[[], None]) -> int:
-        """Peak extra bytes of live tensors during ``step()`` on the CPU: PyTorch's allocations and frees, which
-        torch.profiler records in order (``profile_memory``), summed as they happen. The CPU's counterpart of
-        ``torch.cuda.max_memory_allocated``: what the step holds at once, whatever glibc does with freed memory."""
+    def live_peak_extra(step: Callable[[], None]) -> Tuple[int, Dict[str, int]]:
+        """Peak extra bytes of live tensors during ``step()`` on the CPU, and within each part of the step
+        (:func:`phase`): PyTorch's allocations and frees, which torch.profiler records in order (``profile_memory``),
+        summed as they happen. The CPU's counterpart of ``torch.cuda.max_memory_allocated``: what the step holds at
+        once, whatever glibc does with freed memory."""
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
-        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns())
+        events = list(prof.profiler.kineto_results.events())
+        spans = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name().split(":", 1)[1]) for e in events
+                 if e.name().startswith("phase:")]
         live = peak = 0
-        for event in events:
+        by_phase: Dict[str, int] = {}
+        for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
             live += event.nbytes()  # negative for a free
             peak = max(peak, live)
-        return peak
+            part = next((name for start, end, name in spans if start <= event.start_ns() <= end), None)
+            if part is not None:
+                by_phase[part] = max(by_phase.get(part, 0), live)
+        return peak, by_phase
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -224,14 +255,26 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
 
+def _forward_backward(loss: Callable[[], torch.Tensor]) -> None:
+    with phase("forward"):
+        value = loss()
+    with phase("backward"):
+        value.backward()
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 class NonPrivate:
     def __init__(self, model: nn.Module, losses: Callable, rows: int):
         self.model, self.losses, self.optimizer = model, losses, _adamw(model)
 
     def step(self, batch) -> None:
-        self.losses(self.model, batch).mean().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        _forward_backward(lambda: self.losses(self.model, batch).mean())
+        _optimizer_step(self.optimizer)
 
 
 class OpacusHooks:
@@ -243,9 +286,8 @@ class OpacusHooks:
         self.optimizer = DPOptimizer(_adamw(model), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=rows)
 
     def step(self, batch) -> None:
-        self.losses(self.model, batch).mean().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        _forward_backward(lambda: self.losses(self.model, batch).mean())
+        _optimizer_step(self.optimizer)
 
 
 class OpacusGhost:
@@ -261,9 +303,9 @@ class OpacusGhost:
     def step(self, batch) -> None:
         from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
-        DPTensorFastGradientClipping(self.model, self.optimizer, self.losses(self.model, batch)).backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        _forward_backward(lambda: DPTensorFastGradientClipping(self.model, self.optimizer,
+                                                               self.losses(self.model, batch)))
+        _optimizer_step(self.optimizer)
 
 
 class UserLevel:
@@ -288,9 +330,8 @@ class UserLevel:
             part = torch.arange(first, min(first + users_per_micro_batch, self.users)).repeat_interleave(self.m)
             self.engine.hooks.set_row_users(part, continuation=k > 0)
             rows = {key: v[: len(part)] for key, v in batch.items()}
-            self.losses(self.model, rows).mean().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            _forward_backward(lambda: self.losses(self.model, rows).mean())
+        _optimizer_step(self.optimizer)
 
 
 class Sharded:
@@ -320,7 +361,7 @@ def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc:
     kernel's part of the step: fresh pages for tensors the allocator did not keep). A method whose warm-up step raises
     ``NotImplementedError`` (Opacus's ghost clipping on tied weights) is reported as refused."""
     times: Dict[str, List[Tuple[float, int, float]]] = {name: [] for name in methods}
-    peaks: Dict[str, int] = {}
+    peaks: Dict[str, Tuple[int, Dict[str, int]]] = {}
     refused: Dict[str, Dict[str, str]] = {}
     methods = dict(methods)  # the caller's stays whole
     for rnd in tqdm(range(steps + 2), desc=desc, leave=False):
@@ -351,7 +392,9 @@ def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc:
                       "min_s": min(t for t, _, _ in times[name]),
                       "page_faults": statistics.median(f for _, f, _ in times[name]),
                       "system_s": statistics.median(k for _, _, k in times[name]),
-                      "peak_extra_bytes": peaks[name], "peak_live_bytes": live[name]} for name in methods}, **refused}
+                      "peak_extra_bytes": peaks[name][0], "peak_live_bytes": live[name][0],
+                      "resident_growth_by_phase": peaks[name][1], "peak_live_by_phase": live[name][1]}
+               for name in methods}, **refused}
 
 
 def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, device: torch.device,
@@ -463,7 +506,7 @@ def run_scaling(user_counts: Sequence[int], m: int, rows: int, seq: int, device:
             method.step(batch)
             if memory.cuda:
                 torch.cuda.synchronize()
-            out[key] = {"s_per_step": time.perf_counter() - start, "peak_extra_bytes": memory.peak_extra()}
+            out[key] = {"s_per_step": time.perf_counter() - start, "peak_extra_bytes": memory.peak_extra()[0]}
             del method
             gc.collect()
     return {"parameters": n_params, "m": m, "rows_per_micro_batch": rows, "cells": out}
@@ -538,6 +581,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
           "faults and system seconds: median per step")
     table = print_table(header, rows)
     tables = [table]
+    by_phase = [[w, k, *(f"{c['peak_live_by_phase'].get(part, 0) / 2**20:.0f}" for part in PHASES),
+                 *(f"{c['resident_growth_by_phase'].get(part, 0) / 2**20:.0f}" for part in PHASES)]
+                for w, r in results.items() for k, c in r["cells"].items() if c.get("peak_live_by_phase")]
+    if by_phase:
+        print("\nWhere the peak memory is reached (MB above the step's start): the live tensors' peak within each part, "
+              "and how much the resident set's peak grew while each part ran (the memory round)")
+        tables.append(print_table(["workload", "method", *(f"live peak: {part}" for part in PHASES),
+                                   *(f"resident growth: {part}" for part in PHASES)], by_phase))
     scaling = None
     if args.users:
         scaling = run_scaling(args.users, args.scaling_m, args.rows, args.seq, device, memory,

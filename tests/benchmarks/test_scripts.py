@@ -239,16 +239,23 @@ def test_step_cost_runs_only_the_methods_asked_for_beside_the_control(tmp_path):
 
 
 def test_the_live_memory_of_a_step_is_its_largest_set_of_tensors_held_at_once():
-    """Memory.live_peak_extra: 8 MB and 4 MB held together, then freed, then 8 MB alone: the peak is 12 MB, whatever
-    glibc kept of the freed memory (the CPU's counterpart of torch.cuda.max_memory_allocated)."""
+    """Memory.live_peak_extra: 8 MB and 4 MB held together in one part of the step, then freed, then 8 MB alone in
+    another: the peak is 12 MB, whatever glibc kept of the freed memory (the CPU's counterpart of
+    torch.cuda.max_memory_allocated), and each part's own peak is its own."""
     import torch
 
-    from benchmarks.step_cost import Memory
+    from benchmarks.step_cost import Memory, phase
 
     def step():
-        a, b = torch.ones(2 * 2**20), torch.ones(2**20)  # 8 MB and 4 MB of fp32
-        del a, b
-        c = torch.ones(2 * 2**20)
-        del c
+        with phase("forward"):
+            a, b = torch.ones(2 * 2**20), torch.ones(2**20)  # 8 MB and 4 MB of fp32
+            del a, b
+        with phase("optimizer"):
+            c = torch.ones(2 * 2**20)
+            del c
 
-    assert 12 * 2**20 <= Memory.live_peak_extra(step) < 12 * 2**20 + 2**16
+    peak, by_phase = Memory.live_peak_extra(step)
+    assert 12 * 2**20 <= peak < 12 * 2**20 + 2**16
+    assert 12 * 2**20 <= by_phase["forward"] < 12 * 2**20 + 2**16
+    assert 8 * 2**20 <= by_phase["optimizer"] < 8 * 2**20 + 2**16
+    assert "backward" not in by_phase

@@ -120,19 +120,59 @@ def test_steps_clear_stale_grad_samples_without_zero_grad(mode):
 @pytest.mark.parametrize("secure_mode", [False, True])
 @pytest.mark.parametrize("std", [0.0, 0.7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_noise_is_opacus_draw_added_in_one_tensor(dtype, std, secure_mode):
-    """add_gaussian_noise gives exactly Opacus's summed_grad + _generate_noise(...) for the same generator state, in
-    a tensor that shares no memory with the sum."""
+def test_the_noise_is_opacus_draw_added_into_the_sum_in_place(dtype, std, secure_mode):
+    """add_gaussian_noise_ gives exactly Opacus's summed_grad + _generate_noise(...) for the same generator state, in
+    the sum's own memory (no parameter-sized tensor beside it)."""
     from opacus.optimizers.optimizer import _generate_noise
 
-    from trl_userdp.optimizers.noise import add_gaussian_noise
+    from trl_userdp.optimizers.noise import add_gaussian_noise_
 
     summed = torch.randn(37, 5, generator=torch.Generator().manual_seed(1)).to(dtype)
-    ours = add_gaussian_noise(summed, std, torch.Generator().manual_seed(3), secure_mode)
     theirs = summed + _generate_noise(std=std, reference=summed, generator=torch.Generator().manual_seed(3),
                                       secure_mode=secure_mode)
+    own = summed.clone()
+    ours = add_gaussian_noise_(own, std, torch.Generator().manual_seed(3), secure_mode)
     assert ours.dtype == theirs.dtype == dtype
     assert torch.equal(ours, theirs)
-    assert ours.data_ptr() != summed.data_ptr()
+    assert ours.data_ptr() == own.data_ptr()
     if std:  # the control: another generator state draws other noise
-        assert not torch.equal(ours, add_gaussian_noise(summed, std, torch.Generator().manual_seed(4), secure_mode))
+        assert not torch.equal(ours, add_gaussian_noise_(summed.clone(), std, torch.Generator().manual_seed(4),
+                                                         secure_mode))
+
+
+def test_the_ghost_optimizer_step_holds_the_clipped_sums_once():
+    """The noise is added into the step's clipped sums, which become ``p.grad`` (Opacus's ``add_noise`` keeps a new
+    ``p.grad`` beside them), and each layer's stored inputs and output gradients are let go as its book-kept sum is
+    taken: the live memory of ``optimizer.step()`` rises by the sums and one layer's transients above what it starts
+    with, under 1.5× the trainable parameters' bytes (2× before: the sums and their noisy copies at once). Layers of
+    equal size, so that no one parameter's transient is the whole model."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..helpers import linear_loss, linear_task
+
+    torch.manual_seed(0)
+    width = 256
+    model = torch.nn.Sequential(torch.nn.Linear(5, width), torch.nn.ReLU(), *[
+        layer for _ in range(4) for layer in (torch.nn.Linear(width, width), torch.nn.ReLU())], torch.nn.Linear(width, 1))
+    dataset, user_ids = linear_task(n=200, n_users=50)
+    engine = trl_userdp.PrivacyEngine()
+    model, optimizer, loader = engine.make_private_user_level(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(dataset),
+        noise_multiplier=1.0, max_grad_norm=1.0, user_ids=user_ids, max_samples_per_user=4, users_per_batch=8.0,
+        grad_sample_mode="ghost", sampling_seed=0)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    for step, (x, y) in enumerate(loader):
+        linear_loss(model(x), y).backward()
+        if step < 2:  # the first step's self-check keeps autograd's gradients
+            optimizer.step()
+            optimizer.zero_grad()
+            continue
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            optimizer.step()
+        break
+    live = peak = 0
+    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    assert trainable * 0.9 < peak < 1.5 * trainable, (peak, trainable)

@@ -591,7 +591,7 @@ class UserGhostHooks(UserGradSampleHooks):
 
     def _add(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         grad = grad.to(p.dtype)
-        self.clipped[p] = grad if p not in self.clipped else self.clipped[p] + grad
+        self.clipped[p] = grad if p not in self.clipped else self.clipped[p].add_(grad)  # the step's own tensor
 
     def _emit(self, groups: Dict[nn.Parameter, Callable[[], Dict[nn.Parameter, torch.Tensor]]]) -> None:
         """Add a micro-batch's clipped sums to the step's: ``groups[p]()`` computes the sums of ``p``'s layer (once
@@ -621,7 +621,7 @@ class UserGhostHooks(UserGradSampleHooks):
             local = DTensor.from_local(full, shard.device_mesh, [Partial()], shape=shard.shape, stride=shard.stride()
                                        ).redistribute(shard.device_mesh, shard.placements).to_local()
             del full
-            self.clipped[p] = local if p not in self.clipped else self.clipped[p] + local
+            self.clipped[p] = local if p not in self.clipped else self.clipped[p].add_(local)
 
     def _flush(self) -> None:
         """Clip the current micro-batch's units and add ``Σ_u c_u ḡ_u`` to the step's sums; free its tensors.
@@ -653,10 +653,10 @@ class UserGhostHooks(UserGradSampleHooks):
         direct = [(p, g) for record in self._records.values() if record.unit_grads is not None
                   for p, g in record.unit_grads.items()]
         norm2, rounding2 = torch.zeros(n_units), torch.zeros(n_units)
-        direct_norm2 = {}
-        for p, sums in materialised + direct:
-            direct_norm2[p] = torch.linalg.vector_norm(sums.flatten(1), dim=1, dtype=torch.float32).pow(2).cpu()
-            norm2 += direct_norm2[p]
+        direct_norm2 = {p: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32).pow(2).cpu()
+                        for p, g in materialised + direct}
+        for n2 in direct_norm2.values():
+            norm2 += n2
         # the norms the self-check compares: {layers: (their parameters, [U] squared norms)}
         components: Dict[Tuple[nn.Module, ...], Tuple[Tuple[nn.Parameter, ...], torch.Tensor]] = {}
         for module, record in self._records.items():
@@ -671,8 +671,8 @@ class UserGhostHooks(UserGradSampleHooks):
             params = tuple(dict.fromkeys(one.params + other.params))
             if other.unit_grads is not None:  # an embedding (Gram route) and a linear layer on the direct route
                 weight = one.params[0]  # the embedding's one parameter, the shared weight
-                unit_grads = other.unit_grads[weight]
-                cross, rounding = tied_cross_direct(first, one.passes, unit_grads, self._packing_index(row_slots))
+                cross, rounding = tied_cross_direct(first, one.passes, other.unit_grads[weight],
+                                                    self._packing_index(row_slots))
                 cross = 2 * cross.cpu()
                 rounding2 += 2 * max(rounding, one.rounding) * one.bound.cpu() * direct_norm2[weight].sqrt()
                 head_norm2 = sum(direct_norm2[p] for p in other.unit_grads)  # the weight's, and a bias's
@@ -698,9 +698,12 @@ class UserGhostHooks(UserGradSampleHooks):
         weights = torch.where(bad, torch.zeros(()), self.clip_factors(norms / margin).cpu() / counts)
         rows_bad, row_weights = bad[row_slots], weights[row_slots]
 
+        # each layer's sums are computed once, from its record's tensors, which are then let go: the micro-batch's
+        # stored inputs and output gradients shrink while the sums grow, instead of both being held at once
         def book_kept(module: nn.Module, record: LayerRecord) -> Dict[nn.Parameter, torch.Tensor]:
             total: Dict[nn.Parameter, torch.Tensor] = {}
-            for activations, backprops, scale in record.passes:
+            while record.passes:
+                activations, backprops, scale = record.passes.pop(0)
                 if bad.any():
                     backprops = backprops.masked_fill(_rows_view(rows_bad, backprops), 0)
                     activations = [a.masked_fill(_rows_view(rows_bad, a), 0) if a.is_floating_point() else a
@@ -715,10 +718,11 @@ class UserGhostHooks(UserGradSampleHooks):
                 for p, g in self._whole_batch_gradient(module, record.params, [_fp32(a) for a in activations],
                                                        _fp32(backprops)).items():
                     g = g.to(self._sum_dtype(p))
-                    total[p] = g if p not in total else total[p] + g
+                    total[p] = g if p not in total else total[p].add_(g)  # in place: one layer-sized tensor
             return total
 
-        def weighted(p: nn.Parameter, sums: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+        def weighted(p: nn.Parameter, held: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
+            sums = held.pop(p)
             if bad.any():
                 sums = sums.masked_fill(_rows_view(bad, sums), 0)
             unit_weights = round_down(weights, sums.dtype).to(sums.device)
@@ -727,8 +731,8 @@ class UserGhostHooks(UserGradSampleHooks):
         def together(*parts: Callable[[], Dict[nn.Parameter, torch.Tensor]]) -> Dict[nn.Parameter, torch.Tensor]:
             total: Dict[nn.Parameter, torch.Tensor] = {}
             for part in parts:
-                for p, g in part().items():
-                    total[p] = g if p not in total else total[p] + g
+                for p, g in part().items():  # a shared weight's two sums, added in place (an embedding's size)
+                    total[p] = g if p not in total else total[p].add_(g)
             return total
 
         groups: Dict[nn.Parameter, Callable[[], Dict[nn.Parameter, torch.Tensor]]] = {}
@@ -736,14 +740,19 @@ class UserGhostHooks(UserGradSampleHooks):
             if record.passes:
                 group = functools.partial(book_kept, module, record)
                 groups.update({p: group for p in record.params})
-        for p, sums in materialised + direct:
-            groups[p] = functools.partial(weighted, p, sums)
-        for layers in pairs:  # one group for both layers of a shared weight, so that each sum is added once
-            parts = [part for module, record in layers for part in (
+        groups.update({p: functools.partial(weighted, p, {p: g}) for p, g in materialised})
+        for record in self._records.values():
+            for p in record.unit_grads or ():
+                groups[p] = functools.partial(weighted, p, record.unit_grads)
+        for layers in pairs:  # one group for both layers of a shared weight, so that each sum is added once; an
+            # embedding's last, so that the head's output gradients (the logits': the largest record) are let go first
+            ordered = sorted(layers, key=lambda layer: isinstance(layer[0], nn.Embedding))
+            parts = [part for module, record in ordered for part in (
                 [functools.partial(book_kept, module, record)] if record.unit_grads is None else
-                [functools.partial(weighted, p, g) for p, g in record.unit_grads.items()])]  # the weight, and a bias
+                [functools.partial(weighted, p, record.unit_grads) for p in record.unit_grads])]  # weight, and a bias
             group = functools.partial(together, *parts)
             groups.update({p: group for _, record in layers for p in record.params})
+        del direct, checked_per_param  # the direct route's unit gradients are held by their records alone
         self._emit(groups)
         self.units_seen.update(self.unit_ids)
         self.non_finite_units |= bool(bad.any())

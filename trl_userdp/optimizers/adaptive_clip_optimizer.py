@@ -21,7 +21,7 @@ import torch
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
 from ..mechanisms.adaptive_clipping import default_count_noise_multiplier, gradient_noise_multiplier, next_clip
-from .noise import add_gaussian_noise
+from .noise import add_gaussian_noise_
 from .user_optimizer import UserDPOptimizer, UserDPOptimizerFastGradientClipping
 
 
@@ -69,8 +69,8 @@ class AdaptiveClipUserDPOptimizer(UserDPOptimizer):
         """Gradient noise ``N(0, (σ_Δ C_t)²)``; then the noisy centred count moves the clip for the next step."""
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-            p.grad = add_gaussian_noise(p.summed_grad, self.gradient_noise_multiplier * self.max_grad_norm,
-                                        self.generator, self.secure_mode).view_as(p)
+            p.grad = add_gaussian_noise_(p.summed_grad, self.gradient_noise_multiplier * self.max_grad_norm,
+                                         self.generator, self.secure_mode).view_as(p)
             _mark_as_processed(p.summed_grad)
         centred = self.within_clip() - self.units_in_step / 2
         reference = torch.zeros((), device=self.params[0].device if self.params else "cpu")

@@ -1,4 +1,4 @@
-"""The Gaussian mechanism's draw on a clipped sum, as Opacus's ``DPOptimizer.add_noise`` makes it, in one new tensor."""
+"""The Gaussian mechanism's draw on a clipped sum, as Opacus's ``DPOptimizer.add_noise`` makes it, added in place."""
 
 from __future__ import annotations
 
@@ -29,20 +29,21 @@ def gaussian_draw(std: float, reference: torch.Tensor, generator: Optional[torch
                         dtype=reference.dtype)
 
 
-def add_gaussian_noise(summed: torch.Tensor, std: float, generator: Optional[torch.Generator],
-                       secure_mode: bool) -> torch.Tensor:
-    """``summed + N(0, std²)`` elementwise (:func:`gaussian_draw`), added into the draw: one new tensor of the
-    parameter's size where Opacus's ``add_noise`` allocates three (zeros, the draw, their sum), with the same values.
-    On a CPU every fresh full-size tensor costs its page faults (docs/benchmarks.md, "Cost of a step at a realistic
-    size").
+def add_gaussian_noise_(summed: torch.Tensor, std: float, generator: Optional[torch.Generator],
+                        secure_mode: bool) -> torch.Tensor:
+    """``summed += N(0, std²)`` elementwise (:func:`gaussian_draw`), in place: the values of Opacus's ``add_noise``
+    (``summed + noise``; addition commutes exactly), without the new full-size tensor it keeps as ``p.grad`` beside
+    the sum. The draw is the one transient tensor, freed at once, so that the next parameter's draw reuses its memory:
+    the noise adds no parameter-sized tensor to the step's resident memory (docs/benchmarks.md, "Cost of a step at a
+    realistic size").
 
     Args:
-        summed: The clipped sum (``p.summed_grad``).
+        summed: The clipped sum (``p.summed_grad``), which the step owns and which becomes ``p.grad``.
         std: The noise's standard deviation, σ·C.
         generator: The generator of the draw.
         secure_mode: As :func:`gaussian_draw`'s.
 
     Returns:
-        A new tensor ``summed + noise``, of ``summed``'s shape and dtype.
+        ``summed``, now ``summed + noise``.
     """
-    return gaussian_draw(std, summed, generator, secure_mode).add_(summed)
+    return summed.add_(gaussian_draw(std, summed, generator, secure_mode))

@@ -22,7 +22,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from torch.optim import Optimizer
 
 from ..seeding import derive_seed
-from .noise import add_gaussian_noise
+from .noise import add_gaussian_noise_
 from .user_optimizer import StopTogether, UserDPOptimizerFastGradientClipping
 
 
@@ -69,7 +69,7 @@ class ShardedUserDPOptimizerFastGradientClipping(StopTogether, UserDPOptimizerFa
 
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-            noisy = add_gaussian_noise(p.summed_grad, self.noise_multiplier * self.max_grad_norm, self.generator,
-                                       self.secure_mode)
+            noisy = add_gaussian_noise_(p.summed_grad, self.noise_multiplier * self.max_grad_norm, self.generator,
+                                        self.secure_mode)
             p.grad = DTensor.from_local(noisy, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             _mark_as_processed(p.summed_grad)

@@ -20,7 +20,7 @@ from ..grad_sample import UserGradSampleHooks
 from ..grad_sample.checks import check_unit_sums
 from ..grad_sample.precision import product_margin, round_down
 from ..seeding import derive_seed
-from .noise import add_gaussian_noise
+from .noise import add_gaussian_noise_
 from .weight_guard import WeightGuard
 
 
@@ -246,12 +246,13 @@ class UserDPOptimizer(DPOptimizer):
             _mark_as_processed(p.grad_sample)
 
     def add_noise(self) -> None:
-        """Opacus's ``add_noise`` (``p.grad = p.summed_grad + N(0, σ²C²)``, the same draw), with one new tensor per
-        parameter instead of three (:func:`~trl_userdp.optimizers.noise.add_gaussian_noise`)."""
+        """Opacus's ``add_noise`` (``p.grad = p.summed_grad + N(0, σ²C²)``, the same draw), added into the step's sum in
+        place, which becomes ``p.grad``: no new parameter-sized tensor kept where Opacus allocates three
+        (:func:`~trl_userdp.optimizers.noise.add_gaussian_noise_`)."""
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-            p.grad = add_gaussian_noise(p.summed_grad, self.noise_multiplier * self.max_grad_norm, self.generator,
-                                        self.secure_mode).view_as(p)
+            p.grad = add_gaussian_noise_(p.summed_grad, self.noise_multiplier * self.max_grad_norm, self.generator,
+                                         self.secure_mode).view_as(p)
             _mark_as_processed(p.summed_grad)
 
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
