@@ -136,7 +136,7 @@ def _run(method: str, args, device: torch.device) -> Dict[str, float]:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-    return {"state_bytes": max(state), "peak_extra_bytes": memory.peak_extra(),
+    return {"state_bytes": max(state), "peak_extra_bytes": memory.peak_extra()[0],
             "median_s": statistics.median(times[1:]), "steps": len(times) - 1}
 
 
