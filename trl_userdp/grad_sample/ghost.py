@@ -206,10 +206,11 @@ class LayerRecord:
 
     Args:
         params: The layer's trainable parameters.
-        passes: Gram route: each backward pass's ``(activations, output gradients, scale)`` (kept for the
-            book-kept sum).
+        passes: Gram route: each backward pass's ``(activations, output gradients, scale)``, kept until the flush,
+            whose book-kept sum consumes them.
         unit_grads: Direct route, or several passes of a layer whose shapes differ: ``{param: [U, *p.shape]}``,
-            summed over the passes, their norms taken at the flush from the very tensors that are added.
+            summed over the passes, their norms taken at the flush from the very tensors that are added (each popped
+            once its weighted sum is taken).
         norm2: Gram route: the units' ``‖G_u‖²`` ``[U]``.
         bound: Gram route: ``S_u = Σ_{positions of u} ‖a‖‖g‖`` ``[U]`` (≥ ‖G_u‖, the scale of the rounding error).
         rounding: The rounding error's relative constant.
