@@ -399,12 +399,13 @@ def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc:
 
 def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, device: torch.device,
                  memory: Memory, fsdp2: bool = False, dtype: torch.dtype = torch.float32,
-                 methods: Optional[Sequence[str]] = None) -> Dict:
+                 methods: Optional[Sequence[str]] = None, control_copy: bool = False) -> Dict:
     factory, losses, vocab = workload(name)
     base = factory().to(device, dtype)
     base.train()
     batch = make_batch(rows, seq, vocab, device)
     kinds = {"non-private": lambda mod: NonPrivate(mod, losses, rows),
+             **({"non-private copy": lambda mod: NonPrivate(mod, losses, rows)} if control_copy else {}),
              "opacus hooks": lambda mod: OpacusHooks(mod, losses, rows),
              "opacus ghost": lambda mod: OpacusGhost(mod, losses, rows)}
     for m in ms:
@@ -414,8 +415,8 @@ def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, 
         kinds["fsdp2 non-private"] = lambda mod: Sharded(NonPrivate, mod, losses, rows)
         for m in ms:
             kinds[f"fsdp2 user ghost m={m}"] = lambda mod, m=m: Sharded(UserLevel, mod, losses, rows, m=m, mode="ghost")
-    if methods is not None:  # the non-private control always runs
-        kinds = {k: b for k, b in kinds.items() if k == "non-private" or any(k.startswith(m) for m in methods)}
+    if methods is not None:  # the non-private control (and its copy) always runs
+        kinds = {k: b for k, b in kinds.items() if k.startswith("non-private") or any(k.startswith(m) for m in methods)}
     methods = {kind: build(copy.deepcopy(base)) for kind, build in kinds.items()}
     cells = measure(methods, batch, steps, memory, name)
     ref = cells["non-private"]
@@ -551,6 +552,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                         help="only the methods whose names start with these (e.g. 'user ghost'), beside the non-private "
                              "control: every resident model slows the others' steps (docs/benchmarks.md), so fewer is "
                              "closer to a run of one model")
+    parser.add_argument("--control-copy", action="store_true",
+                        help="add a second non-private model ('non-private copy'): the same step on another copy, whose "
+                             "ratios to the first are what this machine's noise and the models' placement in memory "
+                             "alone give (an A/A control for every ratio of the run)")
     parser.add_argument("--allocator", choices=["reuse", *ALLOCATOR_ENV], default="reuse",
                         help="glibc's defaults, as a training process has them (freed memory reused, large blocks "
                              "returned); 'return': every freed tensor of 64 KB or more returned to the system (the "
@@ -566,7 +571,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     memory = Memory(device)
     with _one_process_group(device, args.fsdp2):
         results = {name: run_workload(name, args.ms, args.rows, args.seq, args.steps, device, memory, args.fsdp2,
-                                      DTYPES[args.dtype], args.methods)
+                                      DTYPES[args.dtype], args.methods, args.control_copy)
                    for name in tqdm(args.workloads, desc="workloads")}
     header = ["workload", "method", "median s", "min s", "time ×", "page faults", "system s", "peak extra MB",
               "memory ×", "live MB", "live ×"]
@@ -616,7 +621,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             [[part, f"{profile['non-private'][part]:.2f}", f"{ghost[part]:.2f}",
               f"{ghost[part] / ghost['whole step']:.0%}"] for part, _ in PROFILE_PARTS]))
     settings = {"rows": args.rows, "seq": args.seq, "steps": args.steps, "ms": args.ms, "device": str(device),
-                "dtype": args.dtype, "methods": args.methods, "allocator": args.allocator,
+                "dtype": args.dtype, "methods": args.methods, "control_copy": args.control_copy,
+                "allocator": args.allocator,
                 "torch_threads": torch.get_num_threads(), "noise_multiplier": 1.0, "max_grad_norm": 1.0}
     path = write_results(args.name, {"settings": settings, "results": results, "scaling": scaling, "profile": profile,
                                      "tables": tables}, args.out)

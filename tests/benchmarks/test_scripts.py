@@ -228,13 +228,14 @@ def test_users_scaling_shares_the_gain_with_a_bootstrap_interval_over_prompts():
     assert lo < share < hi and 0.15 < lo and hi < 0.45  # the share 0.3, both gains resampled
 
 
-def test_step_cost_runs_only_the_methods_asked_for_beside_the_control(tmp_path):
+def test_step_cost_runs_only_the_methods_asked_for_beside_the_control_and_its_copy(tmp_path):
     from benchmarks import step_cost
 
     out = step_cost.main(["--workloads", "llama_lora", "--ms", "1", "2", "--rows", "4", "--seq", "8", "--steps", "1",
-                          "--users", "--methods", "user ghost", "--out", str(tmp_path)])
+                          "--users", "--methods", "user ghost", "--control-copy", "--out", str(tmp_path)])
     cells = out["results"]["llama_lora"]["cells"]
-    assert set(cells) == {"non-private", "user ghost m=1", "user ghost m=2"}
+    assert set(cells) == {"non-private", "non-private copy", "user ghost m=1", "user ghost m=2"}
+    assert cells["non-private copy"]["time_ratio"] > 0 and cells["non-private"]["time_ratio"] == 1.0
     assert all(c["peak_live_bytes"] > 0 and c["page_faults"] >= 0 and c["system_s"] >= 0 for c in cells.values())
 
 

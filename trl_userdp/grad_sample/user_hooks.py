@@ -27,6 +27,7 @@ from torch import nn
 
 from . import layer_norm  # noqa: F401  (registers the LayerNorm sampler that allows bias=False)
 from .embedding import SCALED_EMBEDDINGS, is_scaled_embedding, record_lookups, register_scaled_embedding
+from .rms_norm import register_rms_norm, rms_norm_form
 from .user_check import UserCheck, check_user_gradient
 
 #: torch's warning for a module's full backward hook that fires with no input needing a gradient
@@ -59,6 +60,8 @@ class UserGradSampleHooks(GradSampleHooks):
         for sub in m.modules():
             if is_scaled_embedding(sub):
                 register_scaled_embedding(type(sub))
+            elif requires_grad(sub) and (form := rms_norm_form(sub)) is not None:
+                register_rms_norm(type(sub), form)
         #: embeddings that compute the ids they look up (OPT's positions), made to keep them; undone on removal
         self._recorded_lookups = record_lookups(m)
         super().__init__(m, batch_first=batch_first, loss_reduction="mean", strict=strict, force_functorch=force_functorch)
