@@ -308,13 +308,39 @@ class OpacusGhost:
         _optimizer_step(self.optimizer)
 
 
+def _by_functorch(model: nn.Module) -> nn.Module:
+    """``model`` with its RMSNorm layers' classes replaced by subclasses of the same computation whose ``forward`` is
+    none of ``trl_userdp.grad_sample.rms_norm.FORMS``: the per-sample gradients of those layers then take Opacus's
+    functorch route, as before the package registered their sampler (the control of that change)."""
+    from trl_userdp.grad_sample.rms_norm import rms_norm_form
+
+    for module in model.modules():
+        if rms_norm_form(module) is not None:
+            cls = type(module)
+            if cls not in _BY_FUNCTORCH:
+                _BY_FUNCTORCH[cls] = type(f"{cls.__name__}ByFunctorch", (cls,), {"forward": _base_forward})
+            module.__class__ = _BY_FUNCTORCH[cls]
+    return model
+
+
+#: norm class -> its subclass of :func:`_by_functorch`
+_BY_FUNCTORCH: Dict[type, type] = {}
+
+
+def _base_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return super(type(self), self).forward(hidden_states)
+
+
 class UserLevel:
     """trl_userdp's user-wise DP-SGD; each step's rows are grouped into users of ``m`` rows, processed in
-    micro-batches of ``rows`` rows (whole users)."""
+    micro-batches of ``rows`` rows (whole users); ``functorch_norms``: the RMSNorm layers' per-user gradients by
+    Opacus's functorch route (:func:`_by_functorch`)."""
 
-    def __init__(self, model: nn.Module, losses: Callable, rows: int, *, m: int, mode: str, users: Optional[int] = None):
+    def __init__(self, model: nn.Module, losses: Callable, rows: int, *, m: int, mode: str, users: Optional[int] = None,
+                 functorch_norms: bool = False):
         import trl_userdp
 
+        model = _by_functorch(model) if functorch_norms else model
         self.model, self.losses, self.m, self.rows = model, losses, m, rows
         self.users = users if users is not None else rows // m
         n_users = max(2 * self.users, 4)
@@ -399,7 +425,8 @@ def measure(methods: Dict[str, object], batch, steps: int, memory: Memory, desc:
 
 def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, device: torch.device,
                  memory: Memory, fsdp2: bool = False, dtype: torch.dtype = torch.float32,
-                 methods: Optional[Sequence[str]] = None, control_copy: bool = False) -> Dict:
+                 methods: Optional[Sequence[str]] = None, control_copy: bool = False,
+                 functorch_norms: bool = False) -> Dict:
     factory, losses, vocab = workload(name)
     base = factory().to(device, dtype)
     base.train()
@@ -411,6 +438,10 @@ def run_workload(name: str, ms: Sequence[int], rows: int, seq: int, steps: int, 
     for m in ms:
         for mode in ("hooks", "ghost"):
             kinds[f"user {mode} m={m}"] = lambda mod, m=m, mode=mode: UserLevel(mod, losses, rows, m=m, mode=mode)
+        if functorch_norms:
+            kinds[f"user ghost m={m}, norms by functorch"] = lambda mod, m=m: UserLevel(mod, losses, rows, m=m,
+                                                                                        mode="ghost",
+                                                                                        functorch_norms=True)
     if fsdp2 and name.endswith("_full"):  # LoRA's adapters are not sharded
         kinds["fsdp2 non-private"] = lambda mod: Sharded(NonPrivate, mod, losses, rows)
         for m in ms:
@@ -556,6 +587,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                         help="add a second non-private model ('non-private copy'): the same step on another copy, whose "
                              "ratios to the first are what this machine's noise and the models' placement in memory "
                              "alone give (an A/A control for every ratio of the run)")
+    parser.add_argument("--functorch-norms", action="store_true",
+                        help="add 'user ghost m=k, norms by functorch': the RMSNorm layers' per-user gradients by "
+                             "Opacus's functorch route instead of the package's sampler (that sampler's control)")
     parser.add_argument("--allocator", choices=["reuse", *ALLOCATOR_ENV], default="reuse",
                         help="glibc's defaults, as a training process has them (freed memory reused, large blocks "
                              "returned); 'return': every freed tensor of 64 KB or more returned to the system (the "
@@ -571,7 +605,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     memory = Memory(device)
     with _one_process_group(device, args.fsdp2):
         results = {name: run_workload(name, args.ms, args.rows, args.seq, args.steps, device, memory, args.fsdp2,
-                                      DTYPES[args.dtype], args.methods, args.control_copy)
+                                      DTYPES[args.dtype], args.methods, args.control_copy, args.functorch_norms)
                    for name in tqdm(args.workloads, desc="workloads")}
     header = ["workload", "method", "median s", "min s", "time ×", "page faults", "system s", "peak extra MB",
               "memory ×", "live MB", "live ×"]
@@ -622,6 +656,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
               f"{ghost[part] / ghost['whole step']:.0%}"] for part, _ in PROFILE_PARTS]))
     settings = {"rows": args.rows, "seq": args.seq, "steps": args.steps, "ms": args.ms, "device": str(device),
                 "dtype": args.dtype, "methods": args.methods, "control_copy": args.control_copy,
+                "functorch_norms": args.functorch_norms,
                 "allocator": args.allocator,
                 "torch_threads": torch.get_num_threads(), "noise_multiplier": 1.0, "max_grad_norm": 1.0}
     path = write_results(args.name, {"settings": settings, "results": results, "scaling": scaling, "profile": profile,

@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end in a tiny setting (the real runs are opt-in, see benchmarks/README.md)."""
 
+import copy
 import json
 import math
 import os
@@ -237,6 +238,30 @@ def test_step_cost_runs_only_the_methods_asked_for_beside_the_control_and_its_co
     assert set(cells) == {"non-private", "non-private copy", "user ghost m=1", "user ghost m=2"}
     assert cells["non-private copy"]["time_ratio"] > 0 and cells["non-private"]["time_ratio"] == 1.0
     assert all(c["peak_live_bytes"] > 0 and c["page_faults"] >= 0 and c["system_s"] >= 0 for c in cells.values())
+
+
+def test_step_cost_control_of_the_norm_sampler_sends_the_norms_to_functorch():
+    """--functorch-norms: the control method's RMSNorm layers compute what they did, but their per-user gradients take
+    Opacus's functorch route, while the default method's take the registered sampler."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks import step_cost
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    control = copy.deepcopy(model)
+    ids = torch.randint(3, 64, (2, 8))
+    plain = step_cost.UserLevel(model, step_cost.lm_losses, 2, m=1, mode="ghost")
+    by_functorch = step_cost.UserLevel(control, step_cost.lm_losses, 2, m=1, mode="ghost", functorch_norms=True)
+    norms = [[m for m in method.model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormByFunctorch"))]
+             for method in (plain, by_functorch)]
+    assert len(norms[0]) == len(norms[1]) == 5
+    assert not any(hasattr(m, "ft_compute_sample_grad") for m in norms[0])
+    assert all(hasattr(m, "ft_compute_sample_grad") for m in norms[1])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, control(ids).logits, rtol=0, atol=0)
 
 
 def test_the_live_memory_of_a_step_is_its_largest_set_of_tensors_held_at_once():

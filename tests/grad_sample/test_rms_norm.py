@@ -1,6 +1,8 @@
 """The RMSNorm grad samplers: each form's per-sample gradients equal autograd's per sample, in fp32 and bf16; the
 classes of the common architectures are registered (no functorch route); any other forward is not."""
 
+import functools
+
 import pytest
 import torch
 from opacus.grad_sample import GradSampleModule
@@ -63,8 +65,14 @@ def test_a_norm_whose_forward_differs_is_not_registered():
             super().__init__(size)
             self.register_buffer("scale", torch.ones(()))
 
+    class Wrapped(LlamaRMSNorm):  # the same source, read through a decorator that changes what runs
+        @functools.wraps(LlamaRMSNorm.forward)
+        def forward(self, hidden_states):
+            return LlamaRMSNorm.forward(self, hidden_states * 2)
+
     assert rms_norm_form(Shifted(8)) is None
     assert rms_norm_form(Buffered(8)) is None
+    assert rms_norm_form(Wrapped(8)) is None
     model = torch.nn.Sequential(Shifted(8))
     hooks = UserGradSampleHooks(model)
     try:

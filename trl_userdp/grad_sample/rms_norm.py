@@ -51,6 +51,8 @@ FORMS: Dict[str, List[tuple]] = {
 
 @functools.lru_cache(maxsize=None)
 def _form_of_class(cls: type) -> Optional[str]:
+    if any(inspect.unwrap(f) is not f for f in (cls.forward, getattr(cls, "_norm", None)) if f is not None):
+        return None  # a decorated method: the source read is the wrapped one's, not what runs
     try:
         forward = _body(cls.forward)
         norm = _body(cls._norm) if hasattr(cls, "_norm") else ""
