@@ -28,7 +28,9 @@ U = 16 … 512: seconds per logical step and peak extra memory, for ghost clippi
 
 Realistic workloads (``--workloads smollm135m_full smollm135m_lora``; on a GPU ``qwen0.5b_*`` and ``llama1b_*``) build
 the published configurations of SmolLM-135M, Qwen2.5-0.5B and Llama-3.2-1B with random weights: time and memory do not
-depend on the weights' values. ``--profile`` adds where one step's time goes (torch.profiler).
+depend on the weights' values. ``--profile`` adds where one step's time goes (torch.profiler); ``--control-copy`` a
+second non-private model (an A/A control); ``--functorch-norms`` user ghost clipping with the norm layers' per-user
+gradients by Opacus's functorch route (the control of the package's sampler).
 
     python -m benchmarks.step_cost --workloads smollm135m_full smollm135m_lora --ms 1 4 --rows 4 --seq 256 --users --profile \
         --name step_cost_realistic
@@ -584,9 +586,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                              "control: every resident model slows the others' steps (docs/benchmarks.md), so fewer is "
                              "closer to a run of one model")
     parser.add_argument("--control-copy", action="store_true",
-                        help="add a second non-private model ('non-private copy'): the same step on another copy, whose "
-                             "ratios to the first are what this machine's noise and the models' placement in memory "
-                             "alone give (an A/A control for every ratio of the run)")
+                        help="add a second non-private model ('non-private copy'): the same step on another copy, "
+                             "whose ratios to the first are what this machine's noise and the models' placement in "
+                             "memory alone give (an A/A control for every ratio of the run)")
     parser.add_argument("--functorch-norms", action="store_true",
                         help="add 'user ghost m=k, norms by functorch': the RMSNorm layers' per-user gradients by "
                              "Opacus's functorch route instead of the package's sampler (that sampler's control)")
